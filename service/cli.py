@@ -1,0 +1,187 @@
+"""`playbook`: run | validate | status | data | demo."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from service import spec
+from service.errors import PlaybookError, StudyNotFound
+
+DEMO_STUDY = "studies/digits-demo.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except PlaybookError as e:
+        print(f"playbook: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("playbook: interrupted", file=sys.stderr)
+        return 130
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="playbook", description=__doc__)
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    c = sub.add_parser("run", help="run a study on the Ray cluster in RAY_ADDRESS (or a local one)")
+    c.add_argument("study_file")
+    c.add_argument("--storage", help="override the study file's storage URI")
+    c.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("validate", help="check a study file; exit 2 with the bad field if wrong")
+    c.add_argument("study_file")
+    c.add_argument("--data", action="store_true", help="also check the data files")
+    c.set_defaults(func=cmd_validate)
+
+    c = sub.add_parser("status", help="trial table of a running or finished study")
+    c.add_argument("study", help="a study file, or a study name with --storage")
+    c.add_argument("--storage", help="storage root URI (default: the study file's)")
+    c.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("data", help="write a built-in dataset as parquet shards")
+    c.add_argument("dataset", choices=["digits"])
+    c.add_argument("uri")
+    c.set_defaults(func=cmd_data)
+
+    c = sub.add_parser("demo", help="write the digits data and run the demo study locally")
+    c.add_argument("--study-file", default=DEMO_STUDY)
+    c.set_defaults(func=cmd_demo)
+    return p
+
+
+def load_study(path: str, storage_override: str | None = None) -> spec.Study:
+    from service.checks import check_workload, resolve_paths
+
+    study = resolve_paths(spec.load_file(path), storage_override)
+    check_workload(study)
+    return study
+
+
+def cmd_validate(args) -> int:
+    study = load_study(args.study_file)
+    if args.data:
+        from service.checks import check_data
+
+        check_data(study)
+    trials = sum(r.num_trials for r in study.rounds)
+    print(f"ok: study {study.name}: {len(study.rounds)} round(s), {trials} trials, "
+          f"{study.scaling.world_size} worker(s) per trial")
+    return 0
+
+
+def connect_ray() -> None:
+    import ray
+
+    from service.coordinator import NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE,
+                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+
+
+def cmd_run(args) -> int:
+    from service.checks import check_data, check_storage
+    from service.coordinator import run_study
+
+    study = load_study(args.study_file, args.storage)
+    check_data(study)
+    check_storage(study)
+    connect_ray()
+    rows = run_study(study)
+    print_table(rows, study.training.metric, study.training.mode)
+    failed = [r["trial_name"] for r in rows if r.get("status") == "FAILED"]
+    if failed:
+        print(f"playbook: {len(failed)} trial(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args) -> int:
+    from service import storage, tracking
+
+    if os.path.exists(args.study):
+        study = load_study(args.study, args.storage)
+        name, study_uri = study.name, study.study_uri
+        metric, mode = study.training.metric, study.training.mode
+    else:
+        root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
+        name, study_uri = args.study, storage.join(root, args.study)
+        metric, mode = "validation/error", "min"
+        if storage.exists(storage.join(study_uri, "study.yaml")):
+            stored = spec.load_text(storage.read_bytes(storage.join(study_uri, "study.yaml")).decode())
+            metric, mode = stored.training.metric, stored.training.mode
+    live = None
+    if os.environ.get("RAY_ADDRESS"):
+        from service.coordinator import live_status
+
+        connect_ray()
+        live = live_status(name)
+    if live:
+        print(f"study {name}: {live['state']} (round {live['round']})")
+        rows = live["trials"]
+    else:
+        rows = tracking.read_rows(study_uri)
+        if not rows:
+            raise StudyNotFound(f"{name}: no running coordinator and no trials under {study_uri}")
+        print(f"study {name}: stored at {study_uri}")
+    print_table(rows, metric, mode)
+    return 0
+
+
+def cmd_data(args) -> int:
+    from service import storage
+    from service.data.builtin import write_digits
+
+    written = write_digits(storage.absolute(args.uri))
+    for split, files in written.items():
+        print(f"{split}: {len(files)} files under {storage.join(storage.absolute(args.uri), split)}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from service import storage
+    from service.data.builtin import write_digits
+
+    raw = spec.load_file(args.study_file)
+    data_root = os.path.dirname(os.path.dirname(storage.absolute(raw.data.train)))
+    if not storage.exists(raw.data.train):
+        print(f"writing the digits dataset to {data_root}")
+        write_digits(data_root)
+    return cmd_run(argparse.Namespace(study_file=args.study_file, storage=None))
+
+
+def print_table(rows: list[dict], metric: str, mode: str) -> None:
+    hp_cols = sorted({k for r in rows for k in r if k.startswith("hp/")})
+    cols = ["trial_name", "status", "step", *hp_cols, "best_metric", "best_step"]
+    header = [c.removeprefix("hp/") for c in cols]
+    header[cols.index("best_metric")] = f"best {metric}"
+    lines = [[_cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: r["trial_name"])]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    for line in lines:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
+    done = [r for r in rows if r.get("status") == "FINISHED" and r.get("best_metric") is not None]
+    if done:
+        sign = 1 if mode == "min" else -1
+        best = min(done, key=lambda r: sign * r["best_metric"])
+        print(f"best trial: {best['trial_name']} {metric}={_cell(best['best_metric'])} "
+              f"at step {best.get('best_step')}")
+        print(f"best checkpoint: {best.get('best_checkpoint')}")
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

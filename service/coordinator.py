@@ -1,0 +1,166 @@
+"""The per-study coordinator: a named Ray actor that plans each round, runs it through Ray
+Tune (one Tune trial = one Ray Train run), keeps the trial table and answers status calls."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import ray
+from ray import tune
+
+from service import launch, spec, storage, tracking
+from service.errors import PlaybookError
+from service.search import quasi_random_configs
+from service.spec import Round, Study
+from service.tracking import TrialTable
+
+NAMESPACE = "playbook"
+# The Tune trial function only drives a Ray Train run (whose workers reserve the real CPUs);
+# it reserves a token share so that it never blocks the workers. Concurrency is capped by
+# max_concurrent_trials instead.
+TRIAL_DRIVER_CPU = 0.01
+
+
+def actor_name(study_name: str) -> str:
+    return f"study-{study_name}"
+
+
+def plan_round(study: Study, rnd: Round) -> list[dict]:
+    """The Tune configs of a quasi-random round: one per trial, named `<round>-<index>`."""
+    steps = rnd.max_train_steps or study.training.max_train_steps
+    return [{"trial_name": f"{rnd.name}-{i:04d}", "round": rnd.name, "hparams": hp,
+             "max_train_steps": steps}
+            for i, hp in enumerate(quasi_random_configs(study.search, rnd.num_trials, rnd.seed))]
+
+
+class ProgressCallback(tune.Callback):
+    """Turns Tune events into trial-table rows and progress lines in the job log. Holds only
+    the study name: Tune pickles its callbacks with the experiment state."""
+
+    def __init__(self, study_name: str, metric: str):
+        self.study_name, self.metric = study_name, metric
+
+    def _table(self) -> TrialTable:
+        return tracking.registered(self.study_name)
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._table().update(trial.config["trial"]["trial_name"], status="RUNNING")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        name = trial.config["trial"]["trial_name"]
+        if result.get("summary"):
+            status = {"diverged": "DIVERGED"}.get(result.get("status"), "FINISHED")
+            row = self._table().update(
+                name, status=status, step=result.get("last_step"), best_metric=result.get(self.metric),
+                best_step=result.get("best_step"), best_checkpoint=result.get("best_checkpoint"))
+            print(f"[{name}] {status.lower()}: best {self.metric}={_fmt(row.get('best_metric'))} "
+                  f"at step {row.get('best_step')}", flush=True)
+            return
+        step, total = result.get("step"), trial.config["trial"]["max_train_steps"]
+        self._table().update(name, status="RUNNING", step=step, metric=result.get(self.metric))
+        print(f"[{name}] step {step}/{total} train/loss={_fmt(result.get('train/loss'))} "
+              f"{self.metric}={_fmt(result.get(self.metric))} "
+              f"({_fmt(result.get('steps_per_s'))} steps/s)", flush=True)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._table().save()
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        error = str(trial.error_file or "failed")
+        self._table().update(trial.config["trial"]["trial_name"], status="FAILED", error=error)
+        self._table().save()
+        print(f"[{trial.config['trial']['trial_name']}] FAILED (see {error})", flush=True)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class Coordinator:
+    def __init__(self, study: Study):
+        self.study = study
+        self.table = TrialTable(study.study_uri, study.training.metric, study.training.mode)
+        self.table.load_existing()
+        tracking.register(study.name, self.table)
+        self.state = "starting"
+        self.current_round: str | None = None
+
+    def run(self) -> list[dict]:
+        storage.write_bytes_atomic(storage.join(self.study.study_uri, "study.yaml"),
+                                   spec.dump_yaml(self.study).encode())
+        for rnd in self.study.rounds:
+            self.current_round, self.state = rnd.name, "running"
+            self._run_round(rnd)
+        self.state = "finished"
+        self.table.save()
+        return self.table.snapshot()
+
+    def _run_round(self, rnd: Round) -> None:
+        configs = plan_round(self.study, rnd)
+        for c in configs:
+            if c["trial_name"] not in self.table.rows:
+                self.table.update(c["trial_name"], round=rnd.name, status="PENDING",
+                                  max_train_steps=c["max_train_steps"],
+                                  **{f"hp/{k}": v for k, v in c["hparams"].items()})
+        self.table.save()
+        fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
+        trainable = tune.with_resources(tune.with_parameters(launch.tune_trial, study=self.study),
+                                        {"cpu": TRIAL_DRIVER_CPU})
+        experiment = storage.join(storage.join(self.study.study_uri, "tune"), rnd.name)
+        if tune.Tuner.can_restore(experiment, storage_filesystem=fs):
+            print(f"round {rnd.name}: resuming from {experiment}", flush=True)
+            tuner = tune.Tuner.restore(experiment, trainable, resume_unfinished=True,
+                                       resume_errored=True, storage_filesystem=fs)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space={"trial": tune.grid_search(configs)},
+                tune_config=tune.TuneConfig(max_concurrent_trials=self._concurrency(rnd)),
+                run_config=tune.RunConfig(
+                    name=rnd.name, storage_path=tune_path, storage_filesystem=fs, verbose=0,
+                    callbacks=[ProgressCallback(self.study.name, self.study.training.metric)]),
+            )
+        print(f"round {rnd.name}: {len(configs)} trials, at most {self._concurrency(rnd)} at once",
+              flush=True)
+        tuner.fit()
+
+    def _concurrency(self, rnd: Round) -> int:
+        if rnd.max_concurrent_trials:
+            return rnd.max_concurrent_trials
+        s = self.study.scaling
+        resources = ray.cluster_resources()
+        fits = resources.get("CPU", 0) // (s.cpus_per_worker * s.world_size)
+        if s.use_gpu:
+            fits = min(fits, resources.get("GPU", 0) // s.world_size)
+        return max(1, int(fits))
+
+    def status(self) -> dict:
+        return {"study": self.study.name, "state": self.state, "round": self.current_round,
+                "metric": self.study.training.metric, "mode": self.study.training.mode,
+                "trials": self.table.snapshot(), "time": time.time()}
+
+
+def run_study(study: Study) -> list[dict]:
+    """Start the study's coordinator on the connected Ray cluster and wait for it."""
+    name = actor_name(study.name)
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        raise PlaybookError(f"study {study.name!r} is already running on this cluster")
+    except ValueError:
+        pass
+    coordinator = Coordinator.options(name=name, namespace=NAMESPACE).remote(study)
+    try:
+        return ray.get(coordinator.run.remote())
+    finally:
+        ray.kill(coordinator)
+
+
+def live_status(study_name: str) -> dict | None:
+    """Ask the running coordinator, if there is one on the connected cluster."""
+    try:
+        actor = ray.get_actor(actor_name(study_name), namespace=NAMESPACE)
+    except ValueError:
+        return None
+    return ray.get(actor.status.remote(), timeout=30)

@@ -1,0 +1,23 @@
+"""Typed errors for bad input. The CLI turns each into one line on stderr and exit code 2."""
+
+
+class PlaybookError(Exception):
+    """Base class: an error in what the user gave us (not a bug in the service)."""
+
+    exit_code = 2
+
+
+class SpecError(PlaybookError):
+    """A study file is malformed; the message starts with the dotted path of the bad field."""
+
+
+class DataError(PlaybookError):
+    """A data file or URI is missing, empty, corrupt or does not match the workload's schema."""
+
+
+class StorageError(PlaybookError):
+    """The study storage cannot be read or written."""
+
+
+class StudyNotFound(PlaybookError):
+    """No running coordinator and no stored study under that name."""

@@ -1,0 +1,132 @@
+"""Ray edge of a trial: the Tune trial function builds a Ray Train `TorchTrainer` over
+hosts x workers, and each Train worker runs the plain-PyTorch loop in `trainer.loop`."""
+
+from __future__ import annotations
+
+import json
+
+import ray
+import ray.train
+import ray.tune
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from service import storage
+from service.spec import Study
+from service.topology import Topology, host_ranks
+from service.trainer import checkpoint, loop
+from service.trainer.checkpoint import TrialState
+from service.trial import TrialPlan, best_row, worst
+
+MAX_WORKER_GROUP_RESTARTS = 2
+
+
+class RayTrainReporter:
+    """`loop.Reporter` on Ray Train: reports are barriers across ranks; rank 0 alone passes a
+    checkpoint directory, which Ray persists to the trial's storage and ranks for retention."""
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=ckpt)
+
+    def restore(self) -> TrialState | None:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        with ckpt.as_directory() as d:
+            return checkpoint.load(d)
+
+
+def worker_topology(workers_per_host: int) -> Topology:
+    """This worker's place: host rank from the sorted Ray node ids of the whole worker group."""
+    ctx = ray.train.get_context()
+    world_rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    node_id = ray.get_runtime_context().get_node_id()
+    node_ids = [node_id]
+    if world_size > 1:
+        node_ids = [None] * world_size
+        dist.all_gather_object(node_ids, node_id)
+    hosts = host_ranks(node_ids)
+    local_rank = sum(1 for r in range(world_rank) if node_ids[r] == node_id)
+    return Topology(world_rank=world_rank, world_size=world_size, host_rank=hosts[world_rank],
+                    num_hosts=len(set(node_ids)), local_rank=local_rank,
+                    workers_per_host=node_ids.count(node_id))
+
+
+def train_worker(config: dict) -> None:
+    plan: TrialPlan = config["plan"]
+    topo = worker_topology(plan.study.scaling.workers_per_host)
+    loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device())
+
+
+def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
+    study = plan.study
+    scaling = study.scaling
+    fs, trials_path = storage.ray_storage(storage.join(study.study_uri, "trials"))
+    resources = {"CPU": scaling.cpus_per_worker}
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"plan": plan},
+        scaling_config=ScalingConfig(
+            num_workers=scaling.world_size, use_gpu=scaling.use_gpu,
+            resources_per_worker={**resources, **({"GPU": 1} if scaling.use_gpu else {})},
+            placement_strategy="SPREAD" if scaling.num_hosts > 1 else "PACK"),
+        run_config=RunConfig(
+            name=plan.trial_name, storage_path=trials_path, storage_filesystem=fs,
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=study.training.num_checkpoints_to_keep,
+                checkpoint_score_attribute=study.training.metric,
+                checkpoint_score_order=study.training.mode),
+            failure_config=FailureConfig(max_failures=MAX_WORKER_GROUP_RESTARTS),
+            callbacks=[TuneReportCallback()] if in_tune else [],
+            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker)))}},
+        ),
+    )
+
+
+def tune_trial(config: dict, study: Study) -> None:
+    """One Tune trial = one Ray Train run. Its last Tune report is the trial summary."""
+    c = config["trial"]
+    plan = TrialPlan(study=study, trial_name=c["trial_name"], round_name=c["round"],
+                     hparams=c["hparams"], max_train_steps=c["max_train_steps"])
+    result = trainer_for(plan, in_tune=True).fit()
+    ray.tune.report({**summarize(plan, result), "summary": True})
+
+
+def summarize(plan: TrialPlan, result) -> dict:
+    """Trial summary from the rank-0 metrics log (Ray keeps only checkpointed reports) and the
+    retained checkpoints (the best one, chosen retrospectively over the whole run)."""
+    tr = plan.study.training
+    history = read_metrics_log(plan)
+    best = best_row(history, tr.metric, tr.mode)
+    by_step = {m.get("step"): c for c, m in result.best_checkpoints}
+    last = history[-1] if history else {}
+    return {
+        tr.metric: best[tr.metric] if best else worst(tr.mode),
+        "status": last.get("status", "finished"),
+        "last_step": last.get("step", 0),
+        "best_step": best["step"] if best else None,
+        "best_checkpoint": _uri(plan.study, by_step[best["step"]].path)
+        if best and best["step"] in by_step else None,
+        "num_checkpoints": len(result.best_checkpoints),
+    }
+
+
+def read_metrics_log(plan: TrialPlan) -> list[dict]:
+    if not storage.exists(plan.metrics_uri):
+        return []
+    return [json.loads(line) for line in storage.read_bytes(plan.metrics_uri).decode().splitlines()]
+
+
+def _uri(study: Study, path: str) -> str:
+    """A checkpoint's path inside Ray's storage filesystem -> a URI users can open."""
+    if "://" in study.storage:
+        return study.storage.split("://", 1)[0] + "://" + path.lstrip("/")
+    return path
+
+
+def run_single(plan: TrialPlan):
+    """One trial as a plain Ray Train run, outside Tune."""
+    return trainer_for(plan, in_tune=False).fit()

@@ -1,0 +1,416 @@
+"""The study file: YAML -> frozen dataclasses. Defaults live here and nowhere else.
+
+The loader is strict: an unknown key, a missing required key, a wrong type or an impossible
+value raises `SpecError` whose message starts with the dotted path of the field, e.g.
+``training.eval_every_steps: must be > 0 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from service.errors import SpecError
+
+Scalar = str | int | float | bool
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# Hyperparameters the trainer itself consumes; every other name goes to the workload.
+OPTIMIZER_HPARAMS = ("learning_rate", "momentum", "weight_decay", "beta1", "beta2", "warmup_steps")
+
+
+@dataclass(frozen=True)
+class Data:
+    train: str
+    """URI of the training parquet files: a directory, a glob, or one file (any fsspec URI)."""
+    validation: str
+    """URI of the validation parquet files; evaluated every `training.eval_every_steps`."""
+    test: str | None = None
+    """URI of the held-out test files; only `playbook eval` reads them."""
+
+
+@dataclass(frozen=True)
+class Scaling:
+    num_hosts: int = 1
+    """Hosts (Ray nodes) per trial."""
+    workers_per_host: int = 1
+    """Training worker processes per host (one per GPU when `use_gpu`)."""
+    use_gpu: bool = False
+    """One GPU per worker and NCCL; otherwise CPU and gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved for each worker."""
+
+    def errors(self):
+        yield from _positive(self, "num_hosts", "workers_per_host", "cpus_per_worker")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_hosts * self.workers_per_host
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning-rate schedule after warmup: constant, linear decay, or cosine decay."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to the base learning rate over this many steps."""
+    decay_steps: int | None = None
+    """linear only: length of the decay phase at the end of training (default: all steps after
+    warmup). Round 2 keeps this length and lengthens the constant phase before it."""
+    final_lr_fraction: float = 0.0
+    """Learning rate at the last step, as a fraction of the base learning rate."""
+
+    def errors(self):
+        yield from _non_negative(self, "warmup_steps", "final_lr_fraction")
+        if self.decay_steps is not None and self.decay_steps <= 0:
+            yield "decay_steps", f"must be > 0 (got {self.decay_steps})"
+        if self.decay_steps is not None and self.kind != "linear":
+            yield "decay_steps", f"only applies to kind: linear (kind is {self.kind})"
+        if self.final_lr_fraction > 1:
+            yield "final_lr_fraction", f"must be <= 1 (got {self.final_lr_fraction})"
+
+
+@dataclass(frozen=True)
+class Training:
+    max_train_steps: int
+    """Optimizer steps per trial. Fixed: every trial trains exactly this long (no early stop)."""
+    batch_size: int
+    """Global training batch size, split evenly over all workers."""
+    eval_every_steps: int
+    """Evaluate on the validation set (and checkpoint) every this many steps and at the end."""
+    eval_batch_size: int | None = None
+    """Global evaluation batch size; defaults to `batch_size` and may not be smaller."""
+    num_checkpoints_to_keep: int = 3
+    """Keep the N best checkpoints by `metric` (plus the latest, for resuming)."""
+    metric: str = "validation/error"
+    """The validation metric that ranks checkpoints and trials."""
+    mode: Literal["min", "max"] = "min"
+    """Whether lower (`min`) or higher (`max`) `metric` is better."""
+    seed: int = 0
+    """Study seed: every trial's init seed and per-host data seeds derive from it."""
+    optimizer: Literal["sgd_momentum", "nesterov", "adamw"] = "nesterov"
+    """Optimizer; its hyperparameters (learning_rate, momentum, ...) come from `search`."""
+    schedule: Schedule = field(default_factory=Schedule)
+    """Learning-rate schedule."""
+
+    def errors(self):
+        yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")
+        yield from _positive(self, "num_checkpoints_to_keep")
+        if self.eval_batch_size is not None:
+            yield from _positive(self, "eval_batch_size")
+            if self.eval_batch_size < self.batch_size:
+                yield "eval_batch_size", (
+                    f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size})"
+                )
+        if self.eval_every_steps > self.max_train_steps:
+            yield "eval_every_steps", (
+                f"must be <= max_train_steps ({self.eval_every_steps} > {self.max_train_steps})"
+            )
+        if "/" not in self.metric:
+            yield "metric", f"must look like 'validation/<name>' (got {self.metric!r})"
+        for path, msg in self.schedule.errors():
+            yield f"schedule.{path}", msg
+        if self.schedule.warmup_steps >= self.max_train_steps:
+            yield "schedule.warmup_steps", "must be < max_train_steps"
+        if (self.schedule.decay_steps or 0) + self.schedule.warmup_steps > self.max_train_steps:
+            yield "schedule.decay_steps", "warmup_steps + decay_steps must be <= max_train_steps"
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        return self.eval_batch_size or self.batch_size
+
+
+@dataclass(frozen=True)
+class HParam:
+    role: Literal["scientific", "nuisance", "fixed"]
+    """Scientific: what the study compares. Nuisance: optimised away per scientific value.
+    Fixed: held constant in this study (give `value`)."""
+    type: Literal["float", "int", "choice"] = "float"
+    """Searched dimension kind: a float or int range [min, max], or a choice among `values`."""
+    min: float | None = None
+    """Lower bound (inclusive) of a float/int range."""
+    max: float | None = None
+    """Upper bound (inclusive) of a float/int range."""
+    scale: Literal["linear", "log"] = "linear"
+    """Sample the range uniformly (linear) or uniformly in log space (log)."""
+    values: tuple[Scalar, ...] | None = None
+    """The options of a `choice` dimension."""
+    value: Scalar | None = None
+    """The value of a `fixed` hyperparameter."""
+
+    def errors(self):
+        if self.role == "fixed":
+            if self.value is None:
+                yield "value", "required when role is fixed"
+            for name in ("min", "max", "values"):
+                if getattr(self, name) is not None:
+                    yield name, "not allowed when role is fixed (give value only)"
+            return
+        if self.value is not None:
+            yield "value", f"only for role fixed (role is {self.role})"
+        if self.type == "choice":
+            if not self.values:
+                yield "values", "required (non-empty) for type choice"
+            if self.min is not None or self.max is not None:
+                yield "min", "not allowed for type choice"
+            return
+        if self.values is not None:
+            yield "values", f"only for type choice (type is {self.type})"
+        for name in ("min", "max"):
+            if getattr(self, name) is None:
+                yield name, f"required for type {self.type}"
+        if self.min is None or self.max is None:
+            return
+        if self.min > self.max:
+            yield "min", f"must be <= max ({self.min} > {self.max})"
+        if self.scale == "log" and self.min <= 0:
+            yield "min", f"must be > 0 for scale log (got {self.min})"
+        if self.type == "int" and (self.min != int(self.min) or self.max != int(self.max)):
+            yield "min", "bounds of an int dimension must be integers"
+
+    @property
+    def searched(self) -> bool:
+        return self.role != "fixed"
+
+
+@dataclass(frozen=True)
+class Round:
+    name: str
+    """Round name, used in trial names (`<round>-<index>`)."""
+    num_trials: int
+    """Trials in this round."""
+    kind: Literal["quasi_random"] = "quasi_random"
+    """How trials are planned: quasi-random (scrambled Halton) points over the search space."""
+    max_concurrent_trials: int = 0
+    """At most this many trials at once; 0 = as many as the cluster's resources allow."""
+    max_train_steps: int | None = None
+    """Override of `training.max_train_steps` for this round."""
+    seed: int = 0
+    """Seed of the quasi-random sequence (its scrambling)."""
+
+    def errors(self):
+        if not NAME_RE.match(self.name):
+            yield "name", f"must match {NAME_RE.pattern} (got {self.name!r})"
+        yield from _positive(self, "num_trials")
+        yield from _non_negative(self, "max_concurrent_trials")
+        if self.max_train_steps is not None and self.max_train_steps <= 0:
+            yield "max_train_steps", f"must be > 0 (got {self.max_train_steps})"
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    """Study name: lower-case letters, digits, '-' and '_'. Names the coordinator and storage."""
+    workload: str
+    """Built-in workload name (`digits`, `digits_zero`) or `package.module:Class`."""
+    data: Data
+    """Where the data lives."""
+    training: Training
+    """How every trial trains and evaluates."""
+    search: dict[str, HParam]
+    """The hyperparameters, each with its role; `learning_rate` is required."""
+    rounds: tuple[Round, ...]
+    """The rounds, run in order."""
+    storage: str = "./playbook-studies"
+    """Root URI for checkpoints, metrics and tracking (local path, gs://...); the study writes
+    under `<storage>/<name>/`. Relative paths are resolved against the working directory."""
+    description: str = ""
+    """What this study is for (goes to the tracking table)."""
+    scaling: Scaling = field(default_factory=Scaling)
+    """Hosts and workers per trial."""
+
+    def errors(self):
+        if not NAME_RE.match(self.name):
+            yield "name", f"must match {NAME_RE.pattern} (got {self.name!r})"
+        if "learning_rate" not in self.search:
+            yield "search", "must define learning_rate (searched or fixed)"
+        if not self.rounds:
+            yield "rounds", "must list at least one round"
+        names = [r.name for r in self.rounds]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                yield f"rounds[{i}].name", f"duplicate round name {name!r}"
+        if self.training.batch_size % self.scaling.world_size:
+            yield "training.batch_size", (
+                f"must be divisible by num_hosts * workers_per_host "
+                f"({self.training.batch_size} % {self.scaling.world_size} != 0)"
+            )
+        if self.training.resolved_eval_batch_size % self.scaling.world_size:
+            yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
+
+    @property
+    def searched_hparams(self) -> dict[str, HParam]:
+        return {k: v for k, v in self.search.items() if v.searched}
+
+    @property
+    def fixed_hparams(self) -> dict[str, Scalar]:
+        return {k: v.value for k, v in self.search.items() if not v.searched}
+
+    @property
+    def study_uri(self) -> str:
+        return self.storage.rstrip("/") + "/" + self.name
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_file(path: str | os.PathLike) -> Study:
+    """Read and validate a study file. Raises SpecError naming the file or the field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read study file ({e.strerror})") from None
+    return load_text(text, source=str(path))
+
+
+def load_text(text: str, source: str = "<study>") -> Study:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{source}: not valid YAML{where}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: the study file must be a mapping of keys to values")
+    return load_dict(raw)
+
+
+def load_dict(raw: dict) -> Study:
+    return _build(Study, raw, "")
+
+
+def to_dict(study: Study) -> dict:
+    """Plain data (lists, dicts, scalars) that `load_dict` turns back into an equal Study."""
+
+    def plain(v):
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(study))
+
+
+def dump_yaml(study: Study) -> str:
+    return yaml.safe_dump(to_dict(study), sort_keys=False)
+
+
+def _join(path: str, name: str) -> str:
+    if name.startswith("["):
+        return f"{path}{name}"
+    return f"{path}.{name}" if path else name
+
+
+def _build(tp, raw, path):
+    """Convert `raw` (parsed YAML) to type `tp`, raising SpecError with `path` on a mismatch."""
+    where = path or "<study>"
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(raw, dict):
+            raise SpecError(f"{where}: must be a mapping (got {_kind(raw)})")
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        for key in raw:
+            if key not in fields:
+                known = ", ".join(fields)
+                raise SpecError(f"{_join(path, str(key))}: unknown key (known: {known})")
+        kwargs = {}
+        for name, f in fields.items():
+            if name in raw:
+                kwargs[name] = _build(hints[name], raw[name], _join(path, name))
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SpecError(f"{_join(path, name)}: required")
+        obj = tp(**kwargs)
+        for sub, msg in obj.errors() if hasattr(obj, "errors") else ():
+            raise SpecError(f"{_join(path, sub)}: {msg}")
+        return obj
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if raw is None and type(None) in args:
+            return None
+        if tp == Scalar or set(args) >= {str, int, float, bool}:
+            if isinstance(raw, str | int | float | bool):
+                return raw
+            raise SpecError(f"{where}: must be a scalar (got {_kind(raw)})")
+        (inner,) = [a for a in args if a is not type(None)]
+        return _build(inner, raw, path)
+    if origin is Literal:
+        options = typing.get_args(tp)
+        if raw not in options:
+            raise SpecError(f"{where}: must be one of {', '.join(map(str, options))} (got {raw!r})")
+        return raw
+    if origin is tuple:
+        if not isinstance(raw, list):
+            raise SpecError(f"{where}: must be a list (got {_kind(raw)})")
+        inner = typing.get_args(tp)[0]
+        return tuple(_build(inner, x, f"{path}[{i}]") for i, x in enumerate(raw))
+    if origin is dict:
+        if not isinstance(raw, dict):
+            raise SpecError(f"{where}: must be a mapping (got {_kind(raw)})")
+        inner = typing.get_args(tp)[1]
+        out = {}
+        for k, v in raw.items():
+            if not isinstance(k, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise SpecError(f"{_join(path, str(k))}: not a valid hyperparameter name")
+            out[k] = _build(inner, v, _join(path, k))
+        return out
+    if tp is bool:
+        if not isinstance(raw, bool):
+            raise SpecError(f"{where}: must be true or false (got {_kind(raw)})")
+        return raw
+    if tp is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise SpecError(f"{where}: must be an integer (got {_kind(raw)})")
+        return raw
+    if tp is float:
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise SpecError(f"{where}: must be a number (got {_kind(raw)})")
+        if raw != raw or raw in (float("inf"), float("-inf")):
+            raise SpecError(f"{where}: must be finite (got {raw})")
+        return float(raw)
+    if tp is str:
+        if not isinstance(raw, str):
+            raise SpecError(f"{where}: must be a string (got {_kind(raw)})")
+        return raw
+    raise AssertionError(f"spec loader has no rule for {tp!r}")  # internal invariant
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "nothing"
+    if isinstance(v, bool):
+        return f"boolean {v}".lower()
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, str):
+        return f"string {v!r}"
+    return f"{type(v).__name__} {v!r}"
+
+
+def _positive(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v <= 0:
+            yield n, f"must be > 0 (got {v})"
+
+
+def _non_negative(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v < 0:
+            yield n, f"must be >= 0 (got {v})"
+
+
+def with_overrides(study: Study, **changes) -> Study:
+    return dataclasses.replace(study, **changes)

@@ -1,0 +1,87 @@
+"""Storage URIs -> filesystems. Local paths, gs:// (through gcsfs), memory:// and any fsspec URI.
+
+fsspec is used by the service's own reads and writes; Ray gets the same filesystem wrapped as
+a pyarrow filesystem (`ray_storage`), because Ray would otherwise map gs:// to pyarrow's own
+GCS client (different auth, no emulator support).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import fsspec
+import pyarrow.fs as pafs
+from fsspec.implementations.local import LocalFileSystem
+
+from service.errors import StorageError
+
+
+def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """URI -> (fsspec filesystem, path inside it)."""
+    if "://" not in uri:
+        return fsspec.filesystem("file"), os.path.abspath(uri)
+    protocol = uri.split("://", 1)[0]
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **_options(protocol))
+    except (ImportError, ValueError) as e:
+        raise StorageError(f"{uri}: unsupported storage URI ({e})") from None
+    return fs, path
+
+
+def _options(protocol: str) -> dict:
+    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # An emulator on loopback (tests, local development): anonymous access.
+        return {"token": "anon", "project": "test", "endpoint_url": os.environ["STORAGE_EMULATOR_HOST"]}
+    return {}
+
+
+def absolute(uri: str) -> str:
+    """Relative local paths become absolute (Ray workers change directory)."""
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
+def ray_storage(uri: str) -> tuple[pafs.FileSystem | None, str]:
+    """(storage_filesystem, storage_path) for Ray's RunConfig."""
+    if "://" not in uri or uri.startswith("file://"):
+        return None, absolute(uri.removeprefix("file://"))
+    fs, path = split(uri)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def write_bytes_atomic(uri: str, data: bytes) -> None:
+    """Write a whole file so that readers see the old or the new content, never a torn one."""
+    fs, path = split(uri)
+    parent = path.rsplit("/", 1)[0]
+    try:
+        fs.makedirs(parent, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with fs.open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        else:  # object stores: a single PUT is atomic
+            with fs.open(path, "wb") as f:
+                f.write(data)
+    except OSError as e:
+        raise StorageError(f"{uri}: cannot write ({e})") from None
+
+
+def write_json(uri: str, obj) -> None:
+    write_bytes_atomic(uri, json.dumps(obj, indent=1, default=str).encode())
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = split(uri)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
+def exists(uri: str) -> bool:
+    fs, path = split(uri)
+    return fs.exists(path)

@@ -1,0 +1,86 @@
+"""The study's trial table: one row per trial, kept current while the study runs and written
+to `<study>/trials.parquet` and `<study>/trials.csv` whenever a trial changes state."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from service import storage
+
+STATUSES = ("PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED")
+COLUMNS = ("trial_name", "round", "status", "step", "max_train_steps", "metric", "best_metric",
+           "best_step", "best_checkpoint", "error", "updated_at")
+
+
+class TrialTable:
+    def __init__(self, study_uri: str, metric: str, mode: str):
+        self.study_uri, self.metric, self.mode = study_uri, metric, mode
+        self.rows: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def parquet_uri(self) -> str:
+        return storage.join(self.study_uri, "trials.parquet")
+
+    def load_existing(self) -> None:
+        """Pick up the rows of an earlier, interrupted run of the same study."""
+        if storage.exists(self.parquet_uri):
+            table = pq.read_table(io.BytesIO(storage.read_bytes(self.parquet_uri)))
+            for row in table.to_pylist():
+                self.rows[row["trial_name"]] = {k: v for k, v in row.items() if v is not None}
+
+    def update(self, trial_name: str, **fields) -> dict:
+        with self._lock:
+            row = self.rows.setdefault(trial_name, {"trial_name": trial_name})
+            row.update({k: v for k, v in fields.items() if v is not None})
+            row["updated_at"] = time.time()
+            return dict(row)
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [dict(r) for r in self.rows.values()]
+
+    def best(self) -> dict | None:
+        done = [r for r in self.snapshot() if r.get("best_metric") is not None
+                and r.get("status") == "FINISHED"]
+        sign = 1 if self.mode == "min" else -1
+        return min(done, key=lambda r: sign * r["best_metric"], default=None)
+
+    def save(self) -> None:
+        rows = self.snapshot()
+        if not rows:
+            return
+        names = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
+        table = pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        storage.write_bytes_atomic(self.parquet_uri, buf.getvalue())
+        csv = io.BytesIO()
+        pacsv.write_csv(table, csv)
+        storage.write_bytes_atomic(storage.join(self.study_uri, "trials.csv"), csv.getvalue())
+
+
+def read_rows(study_uri: str) -> list[dict]:
+    uri = storage.join(study_uri, "trials.parquet")
+    if not storage.exists(uri):
+        return []
+    return pq.read_table(io.BytesIO(storage.read_bytes(uri))).to_pylist()
+
+
+# Tables of the studies whose coordinator lives in this process. Tune callbacks find their
+# table here by study name (Tune pickles callbacks, so they cannot hold the table itself).
+_OPEN_TABLES: dict[str, TrialTable] = {}
+
+
+def register(study_name: str, table: TrialTable) -> None:
+    _OPEN_TABLES[study_name] = table
+
+
+def registered(study_name: str) -> TrialTable:
+    return _OPEN_TABLES[study_name]

@@ -1,0 +1,190 @@
+"""The step loop: train exactly max_train_steps, evaluate every eval_every_steps (and at the
+end), report each evaluation with a checkpoint, resume from the latest checkpoint.
+
+Plain PyTorch (torch.distributed when initialised); Ray is reached only through `Reporter`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from service import storage, workloads
+from service.data.files import list_files
+from service.data.loader import TrainStream, eval_batches
+from service.data.sharding import row_ranges, train_shard
+from service.nn.batchnorm import sync_batchnorm_stats
+from service.schedules import lr_factor
+from service.topology import Topology, data_seed, init_seed
+from service.trainer import checkpoint
+from service.trainer.checkpoint import TrialState
+from service.trainer.rank0 import Rank0
+from service.trial import TrialPlan, best_row, worst
+
+
+class Reporter(Protocol):
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        """Called by every rank after each evaluation (a barrier); only rank 0 passes a dir."""
+
+    def restore(self) -> TrialState | None:
+        """The latest checkpoint's state, or None on a fresh start."""
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
+    lr = float(hparams["learning_rate"])
+    wd = float(hparams.get("weight_decay", 0.0))
+    if name == "adamw":
+        betas = (float(hparams.get("beta1", 0.9)), float(hparams.get("beta2", 0.999)))
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=wd)
+    momentum = float(hparams.get("momentum", 0.9))
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd,
+                           nesterov=name == "nesterov")
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def gather_rng_states() -> list[torch.Tensor]:
+    mine = torch.get_rng_state()
+    if not distributed():
+        return [mine]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def evaluate(model: nn.Module, workload, batches, device) -> tuple[dict[str, float], int]:
+    """Per-example metrics summed over this rank's examples, then over all ranks."""
+    model.eval()
+    sums: dict[str, float] = {}
+    count = 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            per_example = workload.metrics(workload.forward(model, batch), batch)
+            for name, values in per_example.items():
+                sums[name] = sums.get(name, 0.0) + float(values.double().sum())
+            count += len(batch["label"])
+    model.train()
+    names = workload.metric_names
+    totals = all_reduce_sum([sums.get(n, 0.0) for n in names] + [count], device)
+    total_count = int(totals[-1])
+    return {n: totals[i] / max(total_count, 1) for i, n in enumerate(names)}, total_count
+
+
+def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> dict:
+    """Run (or resume) one trial on this rank. Returns the trial summary."""
+    device = device or torch.device("cpu")
+    study, tr = plan.study, plan.study.training
+    workload = workloads.get(study.workload)
+    rank0 = Rank0(topo)
+    max_steps = plan.max_train_steps or tr.max_train_steps
+
+    # 1. Model: the same init seed on every rank -> bit-identical initial weights.
+    torch.manual_seed(init_seed(tr.seed))
+    model = workload.build_model(plan.hparams).to(device)
+    ddp = (nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+           if distributed() else model)
+    optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
+    # Per-rank randomness (dropout, augmentation) from the per-host data seed.
+    torch.manual_seed(data_seed(tr.seed, topo.host_rank, topo.local_rank))
+
+    # 2. Data: training files sharded over hosts, eval rows over ranks.
+    local_batch = tr.batch_size // topo.world_size
+    stream = TrainStream(workload, train_shard(list_files(study.data.train), topo.num_hosts,
+                                               topo.host_rank, topo.workers_per_host,
+                                               topo.local_rank),
+                         local_batch, data_seed(tr.seed, topo.host_rank, topo.local_rank))
+    val_ranges = row_ranges(list_files(study.data.validation), topo.world_rank, topo.world_size)
+    eval_local_batch = tr.resolved_eval_batch_size // topo.world_size
+
+    # 3. Resume from the latest checkpoint: weights, optimizer, step, RNG, history.
+    state = reporter.restore() or TrialState()
+    if state.model:
+        model.load_state_dict(state.model)
+        optimizer.load_state_dict(state.optimizer)
+        torch.set_rng_state(state.rng_states[topo.world_rank])
+    step, history = state.step, list(state.history)
+
+    base_lr = float(plan.hparams["learning_rate"])
+    loss_sum, loss_count, first_bad_step = 0.0, 0, math.inf
+    interval_start = time.perf_counter()
+    steps_in_interval = 0
+    while step < max_steps:
+        lr = base_lr * lr_factor(step, max_steps, tr.schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = {k: v.to(device, non_blocking=True) for k, v in stream.batch(step).items()}
+        loss = workload.loss(workload.forward(ddp, batch), batch).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        steps_in_interval += 1
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            first_bad_step = min(first_bad_step, step)
+        loss_sum += loss_value if math.isfinite(loss_value) else 0.0
+        loss_count += 1
+        if step % tr.eval_every_steps and step != max_steps:
+            continue
+
+        # 4. Evaluation point: agree on divergence, sync BN stats, evaluate, checkpoint, report.
+        elapsed_s = time.perf_counter() - interval_start
+        bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
+        loss_total, loss_n, bad = all_reduce_sum([loss_sum, loss_count, bad_flag], device)
+        row = {"step": step, "learning_rate": lr, "train/loss": loss_total / max(loss_n, 1),
+               "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9)}
+        if bad:
+            row.update({"status": "diverged", tr.metric: worst(tr.mode)})
+            history.append(row)
+            rank0.run(write_metrics_log, plan, history)
+            reporter.report(row, None)
+            break
+        sync_batchnorm_stats(model)
+        val_metrics, _ = evaluate(model, workload, eval_batches(workload, val_ranges, eval_local_batch), device)
+        row.update({f"validation/{k}": v for k, v in val_metrics.items()})
+        history.append(row)
+        best = best_row(history, tr.metric, tr.mode)
+        report = {**row, "status": "running" if step < max_steps else "finished",
+                  "best_step": best["step"], "best_metric": best[tr.metric]}
+        rng_states = gather_rng_states()
+        state = TrialState(step, model.state_dict(), optimizer.state_dict(), rng_states, history)
+        with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+            saved = rank0.run(save_checkpoint, state, tmp, report)
+            rank0.run(write_metrics_log, plan, history)
+            reporter.report(report, saved)
+        loss_sum, loss_count, steps_in_interval = 0.0, 0, 0
+        interval_start = time.perf_counter()
+
+    best = best_row(history, tr.metric, tr.mode)
+    return {"trial_name": plan.trial_name, "last_step": step, "history": history,
+            "status": history[-1].get("status", "finished") if history else "finished",
+            "best_step": best["step"] if best else None,
+            "best_metric": best[tr.metric] if best else None}
+
+
+def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:
+    checkpoint.save(state, directory, metrics)
+    return directory
+
+
+def write_metrics_log(plan: TrialPlan, history: list[dict]) -> None:
+    """The per-evaluation metrics log, rewritten whole (it is a few rows per trial)."""
+    text = "".join(json.dumps(r) + "\n" for r in history)
+    storage.write_bytes_atomic(plan.metrics_uri, text.encode())

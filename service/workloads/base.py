@@ -1,0 +1,51 @@
+"""The Workload interface: what a study trains, and on which columns.
+
+A workload owns the model, the loss and the per-example metrics, and names the parquet columns
+it reads (the loader projects exactly those at read time). It is plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+
+
+class Workload(abc.ABC):
+    name: str = ""
+    id_column: str = "example_id"
+    label_column: str = "label"
+    feature_columns: tuple[str, ...] = ()
+    metric_names: tuple[str, ...] = ("loss",)
+    """Names of the per-example metrics `metrics()` returns (reported as validation/<name>)."""
+    hparam_defaults: dict[str, Any] = {}
+    """Model hyperparameters this workload accepts, with their defaults."""
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return (self.id_column, *self.feature_columns, self.label_column)
+
+    @abc.abstractmethod
+    def build_model(self, hparams: dict[str, Any]) -> nn.Module:
+        """The model, built from the merged hyperparameters (defaults + trial values)."""
+
+    @abc.abstractmethod
+    def to_batch(self, table: pa.Table) -> dict[str, torch.Tensor]:
+        """Columns -> tensors, vectorised (no per-example Python loop). Must include 'label'."""
+
+    @abc.abstractmethod
+    def loss(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-example training loss, shape [batch]."""
+
+    @abc.abstractmethod
+    def metrics(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-example evaluation metrics, each shape [batch]; averaged over real examples."""
+
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["features"])
+
+    def model_hparams(self, hparams: dict[str, Any]) -> dict[str, Any]:
+        return {**self.hparam_defaults, **{k: v for k, v in hparams.items() if k in self.hparam_defaults}}

@@ -1,0 +1,77 @@
+"""Built-in workload: scikit-learn's bundled 8x8 handwritten digits, a small conv net with BN.
+
+`digits` is the 10-class task. `digits_zero` ("is it a zero?") is the same images as a real
+imbalanced binary task (about 1 positive in 10).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.workloads.base import Workload
+
+
+class SmallConvNet(nn.Module):
+    def __init__(self, num_classes: int, width: int):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1, stride=2, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class Digits(Workload):
+    name = "digits"
+    feature_columns = ("pixels",)
+    hparam_defaults = {"width": 16}
+    metric_names = ("loss", "error")
+    num_classes = 10
+
+    def build_model(self, hparams: dict[str, Any]) -> nn.Module:
+        hp = self.model_hparams(hparams)
+        return SmallConvNet(self.num_classes, int(hp["width"]))
+
+    def to_batch(self, table: pa.Table) -> dict[str, torch.Tensor]:
+        pixels = table.column("pixels").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        labels = table.column(self.label_column).to_numpy().astype(np.int64)
+        return {
+            "features": torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)).view(-1, 1, 8, 8),
+            "label": torch.from_numpy(self.map_labels(labels)),
+            "example_id": torch.from_numpy(table.column(self.id_column).to_numpy().astype(np.int64)),
+        }
+
+    def map_labels(self, labels: np.ndarray) -> np.ndarray:
+        return labels
+
+    def loss(self, outputs, batch):
+        return F.cross_entropy(outputs, batch["label"], reduction="none")
+
+    def metrics(self, outputs, batch):
+        return {
+            "loss": F.cross_entropy(outputs, batch["label"], reduction="none"),
+            "error": (outputs.argmax(dim=1) != batch["label"]).float(),
+        }
+
+
+class DigitsZero(Digits):
+    name = "digits_zero"
+    num_classes = 2
+
+    def map_labels(self, labels: np.ndarray) -> np.ndarray:
+        return (labels == 0).astype(np.int64)
