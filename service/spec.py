@@ -8,6 +8,7 @@ value raises `SpecError` whose message starts with the dotted path of the field,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -64,7 +65,8 @@ class Schedule:
     """linear only: length of the decay phase at the end of training (default: all steps after
     warmup). Round 2 keeps this length and lengthens the constant phase before it."""
     final_lr_fraction: float = 0.0
-    """Learning rate at the last step, as a fraction of the base learning rate."""
+    """Learning rate reached at the end of training (step max_train_steps), as a fraction of
+    the base learning rate; the last update uses the value one step before."""
 
     def errors(self):
         yield from _non_negative(self, "warmup_steps", "final_lr_fraction")
@@ -102,6 +104,7 @@ class Training:
     def errors(self):
         yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")
         yield from _positive(self, "num_checkpoints_to_keep")
+        yield from _non_negative(self, "seed")
         if self.eval_batch_size is not None:
             yield from _positive(self, "eval_batch_size")
             if self.eval_batch_size < self.batch_size:
@@ -198,7 +201,7 @@ class Round:
         if not NAME_RE.match(self.name):
             yield "name", f"must match {NAME_RE.pattern} (got {self.name!r})"
         yield from _positive(self, "num_trials")
-        yield from _non_negative(self, "max_concurrent_trials")
+        yield from _non_negative(self, "max_concurrent_trials", "seed")
         if self.max_train_steps is not None and self.max_train_steps <= 0:
             yield "max_train_steps", f"must be > 0 (got {self.max_train_steps})"
 
@@ -236,6 +239,16 @@ class Study:
         for i, name in enumerate(names):
             if name in names[:i]:
                 yield f"rounds[{i}].name", f"duplicate round name {name!r}"
+        schedule = self.training.schedule
+        for i, r in enumerate(self.rounds):
+            if r.max_train_steps is not None and (
+                schedule.warmup_steps >= r.max_train_steps
+                or schedule.warmup_steps + (schedule.decay_steps or 0) > r.max_train_steps
+            ):
+                yield f"rounds[{i}].max_train_steps", (
+                    f"must be > training.schedule.warmup_steps and >= warmup_steps + decay_steps "
+                    f"(got {r.max_train_steps})"
+                )
         if self.training.batch_size % self.scaling.world_size:
             yield "training.batch_size", (
                 f"must be divisible by num_hosts * workers_per_host "
@@ -267,12 +280,37 @@ def load_file(path: str | os.PathLike) -> Study:
             text = f.read()
     except OSError as e:
         raise SpecError(f"{path}: cannot read study file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     return load_text(text, source=str(path))
+
+
+class _StudyLoader(yaml.SafeLoader):
+    """Safe YAML, plus: a repeated key is an error (not silently last-wins), and `1e-3` is a
+    number (YAML 1.1 wants a dot, so plain PyYAML reads it as a string)."""
+
+
+def _mapping_without_duplicates(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                    key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StudyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                             _mapping_without_duplicates)
+_StudyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 
 
 def load_text(text: str, source: str = "<study>") -> Study:
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_StudyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -338,6 +376,8 @@ def _build(tp, raw, path):
         if raw is None and type(None) in args:
             return None
         if tp == Scalar or set(args) >= {str, int, float, bool}:
+            if isinstance(raw, float) and not math.isfinite(raw):
+                raise SpecError(f"{where}: must be finite (got {raw})")
             if isinstance(raw, str | int | float | bool):
                 return raw
             raise SpecError(f"{where}: must be a scalar (got {_kind(raw)})")

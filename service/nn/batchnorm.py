@@ -21,7 +21,9 @@ def sync_batchnorm_stats(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
             mean, var = module.running_mean, module.running_var
-            stacked = torch.stack([mean, var, mean * mean]).to(torch.float64)
+            # Square in float64: E[m^2] - E[m]^2 cancels badly for large means in float32.
+            mean64 = mean.to(torch.float64)
+            stacked = torch.stack([mean64, var.to(torch.float64), mean64 * mean64])
             dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
             stacked /= world
             combined_mean = stacked[0]

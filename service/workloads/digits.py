@@ -51,7 +51,7 @@ class Digits(Workload):
         pixels = table.column("pixels").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         labels = table.column(self.label_column).to_numpy().astype(np.int64)
         return {
-            "features": torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)).view(-1, 1, 8, 8),
+            "features": torch.from_numpy(np.array(pixels, dtype=np.float32)).view(-1, 1, 8, 8),
             "label": torch.from_numpy(self.map_labels(labels)),
             "example_id": torch.from_numpy(table.column(self.id_column).to_numpy().astype(np.int64)),
         }

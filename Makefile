@@ -1,0 +1,40 @@
+# Two commands: `make demo` and `make test`. Each sets up the virtualenv it needs first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+
+.PHONY: setup demo test test-fast test-cluster lint clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: on these machines 2.13.0 is a CPU build on local disk; an
+	# unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/playbook demo
+
+# Unit, multi-process (gloo) and shared-Ray-cluster tests first; then the tests that start
+# their own Ray head or simulated multi-node cluster, serially, each with a timeout.
+test: setup
+	$(MAKE) test-fast
+	$(MAKE) test-cluster
+
+test-fast: setup
+	$(PYTEST) -q -m "not cluster" --timeout 900
+
+test-cluster: setup
+	$(PYTEST) -q -m cluster --timeout 900
+
+lint: setup
+	$(VENV)/bin/ruff check service tests
+	$(VENV)/bin/ruff format --check service tests
+
+clean:
+	rm -rf .demo playbook-studies

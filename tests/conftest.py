@@ -1,0 +1,99 @@
+"""Shared fixtures: the digits parquet data, study builders, one Ray cluster per test session."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+
+from service import spec
+from service.data.builtin import write_digits
+
+BASE_STUDY = {
+    "name": "t",
+    "workload": "digits",
+    "data": {},
+    "storage": "",
+    "training": {
+        "max_train_steps": 40,
+        "batch_size": 32,
+        "eval_batch_size": 64,
+        "eval_every_steps": 20,
+        "num_checkpoints_to_keep": 2,
+        "metric": "validation/loss",
+        "mode": "min",
+        "seed": 0,
+        "schedule": {"kind": "cosine", "warmup_steps": 5},
+    },
+    "search": {
+        "learning_rate": {"role": "nuisance", "type": "float", "min": 0.01, "max": 0.5, "scale": "log"},
+        "momentum": {"role": "nuisance", "type": "float", "min": 0.5, "max": 0.95},
+        "width": {"role": "fixed", "value": 4},
+    },
+    "rounds": [{"name": "explore", "num_trials": 2}],
+}
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    write_digits(str(root))
+    return root
+
+
+def study_dict(digits_dir, storage, **overrides) -> dict:
+    """A small valid study as plain data; `overrides` replace top-level keys, and
+    `training={...}` is merged into the training section."""
+    d = copy.deepcopy(BASE_STUDY)
+    d["data"] = {s: str(digits_dir / s) for s in ("train", "validation", "test")}
+    d["storage"] = str(storage)
+    training = overrides.pop("training", {})
+    d["training"].update(training)
+    d.update(overrides)
+    return d
+
+
+def make_study(digits_dir, storage, **overrides) -> spec.Study:
+    return spec.load_dict(study_dict(digits_dir, storage, **overrides))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster shared by every test that needs Ray."""
+    import ray
+
+    from service.coordinator import NAMESPACE
+
+    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every process in session `sid` (what a `setsid`-started `ray start --head` spawned)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid:
+                    pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return pids

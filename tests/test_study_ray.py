@@ -1,0 +1,128 @@
+"""A real round-1 study on a local Ray cluster: trial rows, best-N checkpoint retention and the
+retrospective best checkpoint, each checked against an independent computation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from service import workloads
+from service.trainer import checkpoint
+from tests.conftest import make_study
+
+pytestmark = pytest.mark.ray
+MAX_STEPS, EVERY, KEEP = 100, 20, 2
+
+
+@pytest.fixture(scope="module")
+def finished_study(ray_cluster, digits_dir, tmp_path_factory):
+    from service.coordinator import run_study
+
+    storage = tmp_path_factory.mktemp("storage")
+    study = make_study(digits_dir, storage, name="ray-e2e",
+                       training={"max_train_steps": MAX_STEPS, "eval_every_steps": EVERY,
+                                 "num_checkpoints_to_keep": KEEP})
+    rows = run_study(study)
+    return study, rows
+
+
+def metrics_log(study, trial_name) -> list[dict]:
+    path = os.path.join(study.study_uri, "trials", trial_name, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def kept_checkpoints(study, trial_name) -> dict[int, str]:
+    trial_dir = os.path.join(study.study_uri, "trials", trial_name)
+    out = {}
+    for d in os.listdir(trial_dir):
+        if d.startswith("checkpoint_") and os.path.isdir(os.path.join(trial_dir, d)):
+            with open(os.path.join(trial_dir, d, checkpoint.META_FILE)) as f:
+                out[json.load(f)["step"]] = os.path.join(trial_dir, d)
+    return out
+
+
+def test_every_trial_has_a_finished_row_on_storage(finished_study):
+    study, rows = finished_study
+    table = pq.read_table(os.path.join(study.study_uri, "trials.parquet")).to_pylist()
+    assert sorted(r["trial_name"] for r in table) == ["explore-0000", "explore-0001"]
+    assert os.path.exists(os.path.join(study.study_uri, "trials.csv"))
+    assert os.path.exists(os.path.join(study.study_uri, "study.yaml"))
+    for row in table:
+        assert row["status"] == "FINISHED"
+        assert row["step"] == MAX_STEPS
+        lr = study.search["learning_rate"]
+        assert lr.min <= row["hp/learning_rate"] <= lr.max
+        assert row["hp/width"] == 4
+
+
+def test_row_best_metric_is_the_best_evaluation_of_the_log(finished_study):
+    study, rows = finished_study
+    for row in rows:
+        log = metrics_log(study, row["trial_name"])
+        assert [r["step"] for r in log] == list(range(EVERY, MAX_STEPS + 1, EVERY))
+        losses = [r["validation/loss"] for r in log]
+        i = int(np.argmin(losses))
+        assert row["best_step"] == log[i]["step"]
+        assert row["best_metric"] == pytest.approx(losses[i])
+
+
+def test_only_the_n_best_and_the_latest_checkpoints_are_kept(finished_study):
+    study, rows = finished_study
+    for row in rows:
+        log = metrics_log(study, row["trial_name"])
+        by_loss = sorted(log, key=lambda r: r["validation/loss"])
+        expected = {r["step"] for r in by_loss[:KEEP]} | {MAX_STEPS}
+        assert set(kept_checkpoints(study, row["trial_name"])) == expected
+
+
+def test_best_checkpoint_reproduces_its_metric_independently(finished_study, digits_dir):
+    study, rows = finished_study
+    for row in rows:
+        ckpt_dir = row["best_checkpoint"]
+        assert ckpt_dir == kept_checkpoints(study, row["trial_name"])[row["best_step"]]
+        state = checkpoint.load(ckpt_dir)
+        assert state.step == row["best_step"]
+        workload = workloads.get("digits")
+        model = workload.build_model({"width": 4})
+        model.load_state_dict(state.model)
+        model.eval()
+        table = pq.read_table(str(digits_dir / "validation"))
+        x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
+        y = table.column("label").to_numpy()
+        with torch.no_grad():
+            logits = model(torch.from_numpy(x).view(-1, 1, 8, 8)).double().numpy()
+        logp = logits - logits.max(1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+        loss = -logp[np.arange(len(y)), y].mean()
+        assert math.isclose(loss, row["best_metric"], rel_tol=1e-4)
+
+
+def test_status_reads_the_stored_study(finished_study):
+    study, _ = finished_study
+    out = subprocess.run([sys.executable, "-m", "service", "status", study.name,
+                          "--storage", study.storage], capture_output=True, text=True,
+                         env={**os.environ, "RAY_ADDRESS": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "explore-0000" in out.stdout and "explore-0001" in out.stdout
+    assert "best trial:" in out.stdout
+
+
+def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
+    from service.coordinator import run_study
+
+    study, rows = finished_study
+    before = {r["trial_name"]: kept_checkpoints(study, r["trial_name"]) for r in rows}
+    again = run_study(study)
+    after = {r["trial_name"]: kept_checkpoints(study, r["trial_name"]) for r in again}
+    assert before == after
+    assert {r["trial_name"]: r["best_metric"] for r in again} == {
+        r["trial_name"]: r["best_metric"] for r in rows}

@@ -1,0 +1,334 @@
+"""The single-process step loop: step count, eval points, metrics, resume, divergence, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from sklearn.metrics import zero_one_loss
+from torch import nn
+
+from service import spec
+from service.topology import Topology
+from service.trainer import checkpoint
+from service.trainer.checkpoint import TrialState
+from service.trainer.loop import train
+from service.trial import TrialPlan
+from service.workloads.digits import Digits, SmallConvNet
+
+HPARAMS = {"learning_rate": 0.1, "momentum": 0.9, "width": 4}
+
+
+class DropoutDigits(Digits):
+    """Digits with input dropout, so that training consumes the torch RNG (resume must restore it)."""
+
+    name = "dropout_digits"
+
+    def build_model(self, hparams):
+        return nn.Sequential(
+            nn.Dropout(0.2), SmallConvNet(self.num_classes, int(self.model_hparams(hparams)["width"]))
+        )
+
+
+class Interrupted(Exception):
+    """Raised by a test reporter to stop a run after a given report (a preempted worker)."""
+
+
+class Reporter:
+    """Records every report and copies each checkpoint directory before train() deletes it."""
+
+    def __init__(self, store, restore_state: TrialState | None = None, stop_after: int | None = None):
+        self.store = store
+        self.restore_state = restore_state
+        self.stop_after = stop_after
+        self.reports: list[tuple[dict, str | None]] = []
+
+    def report(self, metrics, checkpoint_dir):
+        copied = None
+        if checkpoint_dir is not None:
+            copied = str(self.store / f"ckpt-{len(self.reports)}-step{metrics['step']}")
+            shutil.copytree(checkpoint_dir, copied)
+        self.reports.append((copy.deepcopy(metrics), copied))
+        if self.stop_after is not None and len(self.reports) == self.stop_after:
+            raise Interrupted
+
+    def restore(self):
+        return self.restore_state
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [m for m, _ in self.reports]
+
+
+def make_plan(digits_dir, storage, trial_name="r1-0", hparams=None, workload="digits", **training):
+    tr = {
+        "max_train_steps": 70,
+        "batch_size": 32,
+        "eval_batch_size": 64,  # 270 validation rows: the last eval batch is short
+        "eval_every_steps": 30,
+        "seed": 0,
+        "optimizer": "nesterov",
+        "schedule": {"kind": "cosine", "warmup_steps": 5},
+    }
+    tr.update(training)
+    study = spec.load_dict(
+        {
+            "name": "loop",
+            "workload": workload,
+            "data": {s: str(digits_dir / s) for s in ("train", "validation")},
+            "storage": str(storage),
+            "training": tr,
+            "search": {"learning_rate": {"role": "fixed", "value": 0.1}},
+            "rounds": [{"name": "r1", "num_trials": 1}],
+        }
+    )
+    return TrialPlan(study, trial_name, "r1", dict(hparams or HPARAMS))
+
+
+def read_log(plan: TrialPlan) -> list[dict]:
+    with open(plan.metrics_uri) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "steps_per_s"}
+
+
+@pytest.fixture(scope="module")
+def adamw_run(digits_dir, tmp_path_factory):
+    """One uninterrupted 70-step run (AdamW, so its state counts the optimizer updates)."""
+    tmp = tmp_path_factory.mktemp("adamw_run")
+    plan = make_plan(
+        digits_dir, tmp / "storage", hparams={**HPARAMS, "learning_rate": 0.01}, optimizer="adamw"
+    )
+    reporter = Reporter(tmp)
+    summary = train(plan, Topology(), reporter)
+    return plan, reporter, summary
+
+
+def test_runs_exactly_max_steps_and_reports_at_eval_points(adamw_run):
+    plan, reporter, summary = adamw_run
+
+    steps = [m["step"] for m in reporter.metrics]
+    assert steps == [30, 60, 70]
+    assert [m["status"] for m in reporter.metrics] == ["running", "running", "finished"]
+    assert all(d is not None for _, d in reporter.reports)
+    assert summary["last_step"] == 70 and summary["status"] == "finished"
+
+    # Exactly 70 optimizer updates and 70 training-mode forward passes, counted independently
+    # of the loop: AdamW's per-parameter step counter and BatchNorm's num_batches_tracked.
+    final = checkpoint.load(reporter.reports[-1][1])
+    assert final.step == 70
+    adam_steps = {float(s["step"]) for s in final.optimizer["state"].values()}
+    assert adam_steps == {70.0}
+    tracked = [v.item() for k, v in final.model.items() if k.endswith("num_batches_tracked")]
+    assert tracked and set(tracked) == {70}
+
+    # The metrics log has one row per evaluation, the same rows that were reported.
+    log = read_log(plan)
+    assert [r["step"] for r in log] == [30, 60, 70]
+    for row, reported in zip(log, reporter.metrics, strict=True):
+        for key in ("learning_rate", "train/loss", "validation/loss", "validation/error"):
+            assert row[key] == reported[key]
+
+    # best_step / best_metric: the lowest validation/error so far, earliest on a tie.
+    for i, reported in enumerate(reporter.metrics):
+        so_far = reporter.metrics[: i + 1]
+        best = so_far[0]
+        for m in so_far[1:]:
+            if m["validation/error"] < best["validation/error"]:
+                best = m
+        assert reported["best_step"] == best["step"]
+        assert reported["best_metric"] == best["validation/error"]
+
+
+def test_validation_metrics_match_independent_evaluation(adamw_run, digits_dir):
+    plan, reporter, _ = adamw_run
+    final_metrics, final_dir = reporter.reports[-1]
+
+    model = Digits().build_model(plan.hparams)
+    model.load_state_dict(checkpoint.load(final_dir).model)
+    model.eval()
+
+    table = pq.read_table(str(digits_dir / "validation"), columns=["pixels", "label"])
+    pixels = np.asarray(table.column("pixels").to_pylist(), dtype=np.float32)
+    labels = table.column("label").to_numpy()
+    assert len(labels) == 270
+    with torch.no_grad():
+        logits = model(torch.from_numpy(pixels).view(-1, 1, 8, 8)).double().numpy()
+
+    top = logits.max(axis=1)
+    log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+    expected_loss = float(np.mean(log_z - logits[np.arange(len(labels)), labels]))
+    expected_error = zero_one_loss(labels, logits.argmax(axis=1))
+
+    assert final_metrics["validation/loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert final_metrics["validation/error"] == pytest.approx(expected_error, abs=1e-12)
+    # Sanity: the model learned something, so the comparison is not between two constants.
+    assert expected_error < 0.8
+
+
+def test_resume_matches_uninterrupted_run(digits_dir, tmp_path):
+    workload = f"{__name__}:DropoutDigits"
+    storage = tmp_path / "storage"
+
+    plan_a = make_plan(digits_dir, storage, "r1-0", workload=workload)
+    run_a = Reporter(tmp_path / "a")
+    train(plan_a, Topology(), run_a)
+
+    # Run B: preempted right after its first checkpoint (step 30) ...
+    plan_b = make_plan(digits_dir, storage, "r1-1", workload=workload)
+    first = Reporter(tmp_path / "b1", stop_after=1)
+    with pytest.raises(Interrupted):
+        train(plan_b, Topology(), first)
+    assert [m["step"] for m in first.metrics] == [30]
+    # ... and restarted in a new train() call from that checkpoint, with a different global
+    # RNG state than the one saved (as a fresh process would have).
+    torch.manual_seed(12345)
+    resumed = Reporter(tmp_path / "b2", restore_state=checkpoint.load(first.reports[0][1]))
+    summary = train(plan_b, Topology(), resumed)
+
+    assert summary["last_step"] == 70
+    assert [m["step"] for m in resumed.metrics] == [60, 70]
+    assert [without_timing(m) for m in resumed.metrics] == [without_timing(m) for m in run_a.metrics[1:]]
+    assert [without_timing(r) for r in read_log(plan_b)] == [without_timing(r) for r in read_log(plan_a)]
+
+    final_a = checkpoint.load(run_a.reports[-1][1])
+    final_b = checkpoint.load(resumed.reports[-1][1])
+    assert final_a.model.keys() == final_b.model.keys()
+    for key in final_a.model:
+        assert torch.equal(final_a.model[key], final_b.model[key]), key
+    for pid, state in final_a.optimizer["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, final_b.optimizer["state"][pid][name]), (pid, name)
+
+
+def test_nan_loss_ends_trial_as_diverged(digits_dir, tmp_path):
+    hparams = {**HPARAMS, "learning_rate": 1e20}
+    plan = make_plan(
+        digits_dir,
+        tmp_path / "storage",
+        hparams=hparams,
+        max_train_steps=40,
+        eval_every_steps=10,
+        schedule={"kind": "constant"},
+    )
+    reporter = Reporter(tmp_path)
+    summary = train(plan, Topology(), reporter)
+
+    last, last_dir = reporter.reports[-1]
+    assert last["status"] == "diverged"
+    assert last["validation/error"] == math.inf  # the worst value for mode: min
+    assert last_dir is None
+    # The trial stops at the first evaluation point after the bad step; no further training.
+    assert all(m["status"] == "running" for m in reporter.metrics[:-1])
+    assert last["step"] < 40
+    assert summary["status"] == "diverged" and summary["last_step"] == last["step"]
+    log = read_log(plan)
+    assert [r["step"] for r in log] == [m["step"] for m in reporter.metrics]
+    assert log[-1]["status"] == "diverged"
+
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = SmallConvNet(10, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
+
+    def step(m, o):
+        loss = nn.functional.cross_entropy(m(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+
+    for _ in range(3):
+        step(model, opt)
+    other_rank_rng = torch.Generator().manual_seed(7).get_state()
+    history = [
+        {"step": 2, "validation/error": 0.5, "status": "running"},
+        {"step": 3, "validation/error": math.inf, "status": "diverged"},
+    ]
+    state = TrialState(
+        3,
+        copy.deepcopy(model.state_dict()),
+        copy.deepcopy(opt.state_dict()),
+        [torch.get_rng_state(), other_rank_rng],
+        copy.deepcopy(history),
+    )
+    expected_draw = torch.rand(5)
+    directory = tmp_path / "ckpt"
+    checkpoint.save(state, str(directory), {"validation/error": 0.5})
+
+    assert sorted(os.listdir(directory)) == ["meta.json", "state.pt"]  # no partial file left
+    with open(directory / "meta.json") as f:
+        assert json.load(f) == {"step": 3, "metrics": {"validation/error": 0.5}}
+
+    loaded = checkpoint.load(str(directory))
+    assert loaded.step == 3
+    assert loaded.history == history
+    assert len(loaded.rng_states) == 2
+    assert torch.equal(loaded.rng_states[1], other_rank_rng)
+    torch.set_rng_state(loaded.rng_states[0])
+    assert torch.equal(torch.rand(5), expected_draw)
+
+    # A fresh model and optimizer restored from the checkpoint continue exactly like the original.
+    restored = SmallConvNet(10, 4)
+    restored.load_state_dict(loaded.model)
+    restored_opt = torch.optim.AdamW(restored.parameters(), lr=0.01)
+    restored_opt.load_state_dict(loaded.optimizer)
+    step(model, opt)
+    step(restored, restored_opt)
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _touch(path):
+    with open(path, "w") as f:
+        f.write("code ran")
+
+
+class Payload:
+    """A pickled object that runs code when unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _touch, (self.path,)
+
+
+def test_checkpoint_load_refuses_pickled_code(tmp_path):
+    directory = tmp_path / "evil"
+    directory.mkdir()
+    marker = tmp_path / "marker"
+    payload = {
+        "format": checkpoint.FORMAT_VERSION,
+        "step": 1,
+        "model": {},
+        "optimizer": {},
+        "rng_states": [],
+        "history": [Payload(str(marker))],
+    }
+    torch.save(payload, directory / checkpoint.STATE_FILE)
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint.load(str(directory))
+    assert not marker.exists()
+
+
+def test_checkpoint_load_rejects_other_format(tmp_path):
+    directory = tmp_path / "old"
+    directory.mkdir()
+    torch.save(
+        {"format": 0, "step": 1, "model": {}, "optimizer": {}, "rng_states": [], "history": []},
+        directory / checkpoint.STATE_FILE,
+    )
+    with pytest.raises(ValueError, match="format 0"):
+        checkpoint.load(str(directory))
