@@ -9,7 +9,8 @@ import ray
 import ray.train
 import ray.tune
 import torch.distributed as dist
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import (Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
+                       ScalingConfig)
 from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -81,6 +82,9 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
                 checkpoint_score_order=study.training.mode),
             failure_config=FailureConfig(max_failures=MAX_WORKER_GROUP_RESTARTS),
             callbacks=[TuneReportCallback()] if in_tune else [],
+            # Ray Train's per-report INFO lines would drown the coordinator's progress lines in
+            # the job log; they still go to Ray's log files.
+            logging_config=LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker)))}},
         ),
     )

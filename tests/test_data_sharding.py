@@ -51,6 +51,8 @@ def test_files_for_hosts_disjoint_complete_balanced(files, num_hosts):
         ([9, 8, 7, 6, 5, 4, 3, 2], 3),
         ([3, 3, 2, 2, 2], 2),
         ([50, 49, 26, 25, 24, 1], 3),
+        ([10, 6, 6, 4, 2, 1, 1], 3),  # dealing the sorted files round-robin gives 15 (best: 10)
+        ([1, 1, 1, 1, 4], 2),  # assigning in the given order, largest last, gives 6 (best: 4)
     ],
 )
 def test_files_for_hosts_close_to_optimal(rows, num_hosts):

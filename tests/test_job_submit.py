@@ -4,6 +4,7 @@ started by the test with its own temp dir and ports: the job succeeds and the tr
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -57,7 +58,7 @@ def ray_head(tmp_path):
                 if time.time() > deadline or head.poll() is not None:
                     raise RuntimeError(f"ray head did not start: {(tmp_path / 'head.log').read_text()[-2000:]}")
                 time.sleep(1)
-        yield address, env
+        yield address, f"127.0.0.1:{ports[0]}", env
     finally:
         for pid in session_pids(head.pid):
             try:
@@ -70,25 +71,57 @@ def ray_head(tmp_path):
 
 
 def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
-    address, env = ray_head
+    address, gcs_address, env = ray_head
     storage = tmp_path / "storage"
     work = tmp_path / "work"
     work.mkdir()
-    study = study_dict(digits_dir, storage, name="submitted")
+    study = study_dict(digits_dir, storage, name="submitted", training={"max_train_steps": 200,
+                                                                        "eval_every_steps": 50})
     (work / "study.yaml").write_text(yaml.safe_dump(study))
 
-    submit = [f"{BIN}/ray", "job", "submit", "--address", address, "--working-dir", str(work),
-              "--", "playbook", "run", "study.yaml"]
-    out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=480)
+    submit = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", address,
+              "--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
+    out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "succeeded" in out.stdout + out.stderr
+    job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+
+    # While it runs, `playbook status` (a laptop with RAY_ADDRESS) asks the live coordinator.
+    status_env = {**env, "RAY_ADDRESS": gcs_address}
+    seen_live, state = False, ""
+    deadline = time.time() + 480
+    while time.time() < deadline:
+        state = job_state(address, job_id, env)
+        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        if not seen_live:
+            st = subprocess.run([sys.executable, "-m", "service", "status", "submitted",
+                                 "--storage", str(storage)], env=status_env,
+                                capture_output=True, text=True, timeout=120)
+            seen_live = st.returncode == 0 and "study submitted: running" in st.stdout
+        time.sleep(2)
+    logs = subprocess.run([f"{BIN}/ray", "job", "logs", "--address", address, job_id], env=env,
+                          capture_output=True, text=True, timeout=120).stdout
+    assert state == "SUCCEEDED", logs[-4000:]
+    assert seen_live, "playbook status never reached the running coordinator"
+    assert "best trial: explore-000" in logs
 
     rows = pq.read_table(str(storage / "submitted" / "trials.parquet")).to_pylist()
     assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001"]
-    assert all(r["status"] == "FINISHED" for r in rows)
+    assert all(r["status"] == "FINISHED" and r["step"] == 200 for r in rows)
 
     # Token auth is really on: a client with the wrong token is refused.
     wrong = {**env, "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     refused = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address], env=wrong,
                              capture_output=True, text=True, timeout=120)
     assert "Invalid authentication token" in refused.stdout + refused.stderr
+
+
+def job_state(address: str, job_id: str, env: dict) -> str:
+    """SUCCEEDED / FAILED / STOPPED once the job ended, else what `ray job status` says."""
+    out = subprocess.run([f"{BIN}/ray", "job", "status", "--address", address, job_id], env=env,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    for word, state in (("succeeded", "SUCCEEDED"), ("failed", "FAILED"), ("was stopped", "STOPPED")):
+        if f"Job '{job_id}' {word}" in text:
+            return state
+    return "RUNNING"

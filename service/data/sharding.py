@@ -34,6 +34,11 @@ def files_for_hosts(files: list[DataFile], num_hosts: int) -> list[list[DataFile
         host = min(range(num_hosts), key=lambda h: (loads[h], h))
         shards[host].append(i)
         loads[host] += files[i].num_rows
+    for host, load in enumerate(loads):
+        if load == 0:
+            raise DataError(f"{files[0].uri}: training files cannot be sharded over {num_hosts} "
+                            f"hosts: host {host} would get no rows (files with rows: "
+                            f"{sum(1 for f in files if f.num_rows)})")
     return [[files[i] for i in sorted(s)] for s in shards]
 
 

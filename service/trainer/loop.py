@@ -118,7 +118,8 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     if state.model:
         model.load_state_dict(state.model)
         optimizer.load_state_dict(state.optimizer)
-        torch.set_rng_state(state.rng_states[topo.world_rank])
+        if len(state.rng_states) == topo.world_size:  # else resumed on another world size
+            torch.set_rng_state(state.rng_states[topo.world_rank])
     step, history = state.step, list(state.history)
 
     base_lr = float(plan.hparams["learning_rate"])
@@ -139,8 +140,9 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             first_bad_step = min(first_bad_step, step)
-        loss_sum += loss_value if math.isfinite(loss_value) else 0.0
-        loss_count += 1
+        if math.isfinite(loss_value):
+            loss_sum += loss_value
+            loss_count += 1
         if step % tr.eval_every_steps and step != max_steps:
             continue
 
@@ -148,7 +150,8 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         elapsed_s = time.perf_counter() - interval_start
         bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
         loss_total, loss_n, bad = all_reduce_sum([loss_sum, loss_count, bad_flag], device)
-        row = {"step": step, "learning_rate": lr, "train/loss": loss_total / max(loss_n, 1),
+        row = {"step": step, "learning_rate": lr,
+               "train/loss": loss_total / loss_n if loss_n else math.nan,
                "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9)}
         if bad:
             row.update({"status": "diverged", tr.metric: worst(tr.mode)})
@@ -186,5 +189,10 @@ def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:
 
 def write_metrics_log(plan: TrialPlan, history: list[dict]) -> None:
     """The per-evaluation metrics log, rewritten whole (it is a few rows per trial)."""
-    text = "".join(json.dumps(r) + "\n" for r in history)
+    text = "".join(json.dumps({k: finite_or_none(v) for k, v in r.items()}) + "\n" for r in history)
     storage.write_bytes_atomic(plan.metrics_uri, text.encode())
+
+
+def finite_or_none(v):
+    """Strict JSON has no NaN or Infinity: a non-finite number is logged as null."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
