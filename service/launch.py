@@ -40,7 +40,7 @@ class RayTrainReporter:
             return checkpoint.load(d)
 
 
-def worker_topology(workers_per_host: int) -> Topology:
+def worker_topology() -> Topology:
     """This worker's place: host rank from the sorted Ray node ids of the whole worker group."""
     ctx = ray.train.get_context()
     world_rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
@@ -53,13 +53,23 @@ def worker_topology(workers_per_host: int) -> Topology:
     local_rank = sum(1 for r in range(world_rank) if node_ids[r] == node_id)
     return Topology(world_rank=world_rank, world_size=world_size, host_rank=hosts[world_rank],
                     num_hosts=len(set(node_ids)), local_rank=local_rank,
-                    workers_per_host=node_ids.count(node_id))
+                    workers_per_host=node_ids.count(node_id), node_id=node_id)
 
 
 def train_worker(config: dict) -> None:
     plan: TrialPlan = config["plan"]
-    topo = worker_topology(plan.study.scaling.workers_per_host)
+    topo = worker_topology()
     loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device())
+
+
+def placement_strategy(scaling) -> str:
+    """One worker per host: each on its own node (STRICT_SPREAD). Several per host: PACK,
+    which fills a node before the next, so nodes sized for `workers_per_host` workers get
+    exactly that many. The layout actually obtained is what the data is sharded over, and it
+    is recorded in the trial's topology.json (with a warning when it differs)."""
+    if scaling.num_hosts > 1 and scaling.workers_per_host == 1:
+        return "STRICT_SPREAD"
+    return "PACK"
 
 
 def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
@@ -73,7 +83,7 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
         scaling_config=ScalingConfig(
             num_workers=scaling.world_size, use_gpu=scaling.use_gpu,
             resources_per_worker={**resources, **({"GPU": 1} if scaling.use_gpu else {})},
-            placement_strategy="SPREAD" if scaling.num_hosts > 1 else "PACK"),
+            placement_strategy=placement_strategy(scaling)),
         run_config=RunConfig(
             name=plan.trial_name, storage_path=trials_path, storage_filesystem=fs,
             checkpoint_config=CheckpointConfig(

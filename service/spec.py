@@ -100,10 +100,15 @@ class Training:
     """Optimizer; its hyperparameters (learning_rate, momentum, ...) come from `search`."""
     schedule: Schedule = field(default_factory=Schedule)
     """Learning-rate schedule."""
+    ghost_batch_norm: bool = False
+    """Replace the workload's BatchNorm layers by ghost batch norm over virtual batches of
+    `virtual_batch_size` examples per worker."""
+    virtual_batch_size: int = 64
+    """Examples per virtual batch for ghost batch norm (the playbook's anecdote: 64)."""
 
     def errors(self):
         yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")
-        yield from _positive(self, "num_checkpoints_to_keep")
+        yield from _positive(self, "num_checkpoints_to_keep", "virtual_batch_size")
         yield from _non_negative(self, "seed")
         if self.eval_batch_size is not None:
             yield from _positive(self, "eval_batch_size")

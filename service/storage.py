@@ -54,8 +54,21 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
+AUDIT_ENV = "PLAYBOOK_STORAGE_AUDIT"
+
+
+def _audit(uri: str) -> None:
+    """With PLAYBOOK_STORAGE_AUDIT=DIR, every process appends the URIs it writes to
+    DIR/<pid>.log: a cheap way to check which process wrote what (e.g. rank 0 only)."""
+    folder = os.environ.get(AUDIT_ENV)
+    if folder:
+        with open(os.path.join(folder, f"{os.getpid()}.log"), "a") as f:
+            f.write(uri + "\n")
+
+
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write a whole file so that readers see the old or the new content, never a torn one."""
+    _audit(uri)
     fs, path = split(uri)
     parent = path.rsplit("/", 1)[0]
     try:

@@ -20,6 +20,8 @@ class Topology:
     num_hosts: int = 1
     local_rank: int = 0
     workers_per_host: int = 1
+    node_id: str = ""
+    """The Ray node id of this worker's host (empty outside Ray)."""
 
     @property
     def is_rank0(self) -> bool:

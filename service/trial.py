@@ -24,6 +24,10 @@ class TrialPlan:
         return storage.join(self.study.study_uri, "trials", self.trial_name)
 
     @property
+    def topology_uri(self) -> str:
+        return storage.join(self.trial_uri, "topology.json")
+
+    @property
     def metrics_uri(self) -> str:
         return storage.join(self.trial_uri, "metrics.jsonl")
 

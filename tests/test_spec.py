@@ -51,6 +51,8 @@ FULL = {
         "seed": 42,
         "optimizer": "adamw",
         "schedule": {"kind": "linear", "warmup_steps": 50, "decay_steps": 300, "final_lr_fraction": 0.01},
+        "ghost_batch_norm": True,
+        "virtual_batch_size": 32,
     },
     "search": {
         "learning_rate": {"role": "nuisance", "type": "float", "min": 1e-4, "max": 0.1, "scale": "log"},
@@ -140,7 +142,13 @@ def test_full_study_values():
     assert s.search["width"].min == 8.0
     assert s.rounds[1].max_train_steps == 2000 and s.rounds[0].seed == 3
     assert s.training.schedule.decay_steps == 300
+    assert (s.training.ghost_batch_norm, s.training.virtual_batch_size) == (True, 32)
     check_workload(s)
+
+
+def test_ghost_batch_norm_defaults():
+    s = spec.load_dict(copy.deepcopy(MINIMAL))
+    assert (s.training.ghost_batch_norm, s.training.virtual_batch_size) == (False, 64)
 
 
 # ----------------------------------------------------------------------------- bad values
@@ -284,6 +292,10 @@ BAD = [
         _set("training.schedule.final_lr_fraction", 1.5),
         "training.schedule.final_lr_fraction",
     ),
+    ("zero-virtual-batch", _set("training.virtual_batch_size", 0), "training.virtual_batch_size"),
+    ("negative-virtual-batch", _set("training.virtual_batch_size", -64), "training.virtual_batch_size"),
+    ("float-virtual-batch", _set("training.virtual_batch_size", 32.0), "training.virtual_batch_size"),
+    ("string-for-ghost-bn", _set("training.ghost_batch_norm", "yes"), "training.ghost_batch_norm"),
     ("round-steps-within-warmup", _set("rounds.0.max_train_steps", 20), "rounds[0].max_train_steps"),
     ("learning-rate-missing", _set("search.learning_rate", DELETE), "search"),
 ]

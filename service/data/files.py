@@ -46,8 +46,13 @@ def list_files(uri: str) -> list[DataFile]:
     return files
 
 
+# Every data file this process opened, in order (the trial metadata reports them per rank).
+OPENED: list[str] = []
+
+
 def read_columns(file: DataFile, columns: tuple[str, ...]) -> pa.Table:
     """Read only `columns` of one file (projection at read time)."""
+    OPENED.append(file.uri)
     fs, path = storage.split(file.uri)
     try:
         with fs.open(path, "rb") as f:

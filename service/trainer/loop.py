@@ -17,13 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from service import storage, workloads
+from service.data import files
 from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches
 from service.data.sharding import row_ranges, train_shard
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
-from service.trainer import checkpoint
+from service.trainer import checkpoint, provenance
 from service.trainer.checkpoint import TrialState
 from service.trainer.rank0 import Rank0
 from service.trial import TrialPlan, best_row, worst
@@ -98,6 +99,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     # 1. Model: the same init seed on every rank -> bit-identical initial weights.
     torch.manual_seed(init_seed(tr.seed))
     model = workload.build_model(plan.hparams).to(device)
+    init_params = provenance.params_sha256(model)
     ddp = (nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
            if distributed() else model)
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
@@ -106,12 +108,18 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
 
     # 2. Data: training files sharded over hosts, eval rows over ranks.
     local_batch = tr.batch_size // topo.world_size
+    my_data_seed = data_seed(tr.seed, topo.host_rank, topo.local_rank)
+    opened_before = len(files.OPENED)
     stream = TrainStream(workload, train_shard(list_files(study.data.train), topo.num_hosts,
                                                topo.host_rank, topo.workers_per_host,
                                                topo.local_rank),
-                         local_batch, data_seed(tr.seed, topo.host_rank, topo.local_rank))
+                         local_batch, my_data_seed)
     val_ranges = row_ranges(list_files(study.data.validation), topo.world_rank, topo.world_size)
     eval_local_batch = tr.resolved_eval_batch_size // topo.world_size
+    records = provenance.gather(provenance.rank_record(
+        topo, init_seed(tr.seed), my_data_seed, init_params,
+        sorted(set(files.OPENED[opened_before:])), stream.batch(0)["example_id"]))
+    rank0.run(provenance.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
 
     # 3. Resume from the latest checkpoint: weights, optimizer, step, RNG, history.
     state = reporter.restore() or TrialState()

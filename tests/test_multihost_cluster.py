@@ -1,0 +1,125 @@
+"""Multi-host guarantees on a simulated 3-node Ray cluster (ray.cluster_utils.Cluster): one init
+seed everywhere, a data order per host that a rerun reproduces, disjoint and complete file
+shards checked from the files each host actually opened, and storage written by rank 0 only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from service.data.files import list_files
+from service.trial import TrialPlan
+from tests.conftest import make_study
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+NUM_HOSTS = 3
+
+
+@pytest.fixture(scope="module")
+def three_node_cluster(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    audit = tmp_path_factory.mktemp("audit")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(NUM_HOSTS - 1):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address,
+             runtime_env={"env_vars": {"PLAYBOOK_STORAGE_AUDIT": str(audit)}})
+    try:
+        yield cluster, audit
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_runs(three_node_cluster, digits_dir, tmp_path_factory):
+    """The same trial, run twice with the same seed on 3 hosts x 1 worker."""
+    from service import launch
+
+    _, audit = three_node_cluster
+    runs = []
+    for i in range(2):
+        storage = tmp_path_factory.mktemp(f"storage{i}")
+        study = make_study(digits_dir, storage, name="multihost",
+                           scaling={"num_hosts": NUM_HOSTS, "workers_per_host": 1},
+                           training={"batch_size": 30, "eval_batch_size": 60,
+                                     "max_train_steps": 20, "eval_every_steps": 10})
+        plan = TrialPlan(study=study, trial_name="explore-0000", round_name="explore",
+                         hparams={"learning_rate": 0.1, "momentum": 0.9, "width": 4},
+                         max_train_steps=20)
+        before = set(os.listdir(audit))
+        launch.run_single(plan)
+        with open(os.path.join(plan.trial_uri, "topology.json")) as f:
+            topology = json.load(f)
+        new_logs = set(os.listdir(audit)) - before
+        runs.append((plan, topology, {n: open(audit / n).read().split() for n in new_logs}))
+    return runs
+
+
+def test_every_rank_starts_from_the_same_weights(two_runs):
+    for _, topology, _ in two_runs:
+        ranks = topology["ranks"]
+        assert len(ranks) == NUM_HOSTS
+        assert len({r["init_params_sha256"] for r in ranks}) == 1
+        assert len({r["init_seed"] for r in ranks}) == 1
+
+
+def test_each_rank_is_on_its_own_host_with_its_own_data_seed(two_runs):
+    for _, topology, _ in two_runs:
+        ranks = topology["ranks"]
+        assert sorted(r["host_rank"] for r in ranks) == list(range(NUM_HOSTS))
+        assert len({r["node_id"] for r in ranks}) == NUM_HOSTS
+        assert topology["num_hosts"] == NUM_HOSTS
+        assert len({r["data_seed"] for r in ranks}) == NUM_HOSTS
+        # Different hosts see their data in different orders...
+        assert len({r["first_batch_sha256"] for r in ranks}) == NUM_HOSTS
+
+
+def test_data_order_is_reproducible_for_the_same_seed(two_runs):
+    (_, first, _), (_, second, _) = two_runs
+    order = {r["host_rank"]: (r["data_seed"], r["first_batch_sha256"]) for r in first["ranks"]}
+    again = {r["host_rank"]: (r["data_seed"], r["first_batch_sha256"]) for r in second["ranks"]}
+    assert order == again
+
+
+def test_hosts_opened_disjoint_files_that_together_are_all_of_them(two_runs, digits_dir):
+    all_files = {f.uri for f in list_files(str(digits_dir / "train"))}
+    assert len(all_files) > NUM_HOSTS  # 4 files over 3 hosts: one host reads two
+    for _, topology, _ in two_runs:
+        opened = [set(r["train_files"]) for r in topology["ranks"]]
+        assert all(opened)
+        for i in range(len(opened)):
+            for j in range(i + 1, len(opened)):
+                assert not opened[i] & opened[j]
+        assert set().union(*opened) == all_files
+
+
+def test_only_rank_0_wrote_to_storage(two_runs):
+    for plan, topology, writes in two_runs:
+        pid_of = {r["world_rank"]: r["pid"] for r in topology["ranks"]}
+        writers = {int(name.split(".")[0]) for name, uris in writes.items() if uris}
+        assert writers == {pid_of[0]}
+        written = set(writes[f"{pid_of[0]}.log"])
+        assert {plan.metrics_uri, plan.topology_uri} <= written
+        assert all(u.startswith(plan.trial_uri) for u in written)
+        # Checkpoints are persisted by Ray from rank 0's report alone: one file set each.
+        ckpts = [d for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")
+                 and os.path.isdir(os.path.join(plan.trial_uri, d))]
+        assert ckpts
+        for d in ckpts:
+            assert sorted(os.listdir(os.path.join(plan.trial_uri, d))) == ["meta.json", "state.pt"]
+
+
+def test_fewer_files_than_hosts_is_a_clear_error(digits_dir, tmp_path):
+    from service.checks import check_data
+    from service.errors import DataError
+
+    study = make_study(digits_dir, tmp_path, scaling={"num_hosts": 5, "workers_per_host": 1},
+                       training={"batch_size": 40, "eval_batch_size": 80})
+    with pytest.raises(DataError, match=r"4 training files cannot be sharded over scaling.num_hosts=5"):
+        check_data(dataclasses.replace(study))
