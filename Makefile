@@ -23,6 +23,7 @@ demo: setup
 # Unit, multi-process (gloo) and shared-Ray-cluster tests first; then the tests that start
 # their own Ray head or simulated multi-node cluster, serially, each with a timeout.
 test: setup
+	$(MAKE) lint
 	$(MAKE) test-fast
 	$(MAKE) test-cluster
 

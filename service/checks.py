@@ -18,11 +18,12 @@ from service.spec import OPTIMIZER_HPARAMS, Study
 def resolve_paths(study: Study, storage_override: str | None = None) -> Study:
     """Relative local paths -> absolute (against the working directory)."""
     data = dataclasses.replace(
-        study.data, train=storage.absolute(study.data.train),
+        study.data,
+        train=storage.absolute(study.data.train),
         validation=storage.absolute(study.data.validation),
-        test=storage.absolute(study.data.test) if study.data.test else None)
-    return dataclasses.replace(study, data=data,
-                               storage=storage.absolute(storage_override or study.storage))
+        test=storage.absolute(study.data.test) if study.data.test else None,
+    )
+    return dataclasses.replace(study, data=data, storage=storage.absolute(storage_override or study.storage))
 
 
 def check_workload(study: Study) -> None:
@@ -30,13 +31,17 @@ def check_workload(study: Study) -> None:
     metric_name = study.training.metric.split("/", 1)[1]
     if not study.training.metric.startswith("validation/") or metric_name not in workload.metric_names:
         known = ", ".join(f"validation/{m}" for m in workload.metric_names)
-        raise SpecError(f"training.metric: {study.training.metric!r} is not reported by workload "
-                        f"{workload.name} (known: {known})")
+        raise SpecError(
+            f"training.metric: {study.training.metric!r} is not reported by workload "
+            f"{workload.name} (known: {known})"
+        )
     accepted = set(OPTIMIZER_HPARAMS) | set(workload.hparam_defaults)
     for name in study.search:
         if name not in accepted:
-            raise SpecError(f"search.{name}: not a hyperparameter of the optimizer or of workload "
-                            f"{workload.name} (known: {', '.join(sorted(accepted))})")
+            raise SpecError(
+                f"search.{name}: not a hyperparameter of the optimizer or of workload "
+                f"{workload.name} (known: {', '.join(sorted(accepted))})"
+            )
 
 
 def check_data(study: Study) -> None:
@@ -49,11 +54,15 @@ def check_data(study: Study) -> None:
                 names = pq.ParquetFile(fh).schema_arrow.names
             missing = [c for c in workload.columns if c not in names]
             if missing:
-                raise DataError(f"{f.uri}: missing column {missing[0]!r} needed by workload "
-                                f"{workload.name} (has: {', '.join(names)})")
+                raise DataError(
+                    f"{f.uri}: missing column {missing[0]!r} needed by workload "
+                    f"{workload.name} (has: {', '.join(names)})"
+                )
         if split == "train" and len(files) < study.scaling.num_hosts:
-            raise DataError(f"{study.data.train}: {len(files)} training files cannot be sharded "
-                            f"over scaling.num_hosts={study.scaling.num_hosts}")
+            raise DataError(
+                f"{study.data.train}: {len(files)} training files cannot be sharded "
+                f"over scaling.num_hosts={study.scaling.num_hosts}"
+            )
 
 
 def check_storage(study: Study) -> None:

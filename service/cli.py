@@ -70,8 +70,10 @@ def cmd_validate(args) -> int:
 
         check_data(study)
     trials = sum(r.num_trials for r in study.rounds)
-    print(f"ok: study {study.name}: {len(study.rounds)} round(s), {trials} trials, "
-          f"{study.scaling.world_size} worker(s) per trial")
+    print(
+        f"ok: study {study.name}: {len(study.rounds)} round(s), {trials} trials, "
+        f"{study.scaling.world_size} worker(s) per trial"
+    )
     return 0
 
 
@@ -81,8 +83,11 @@ def connect_ray() -> None:
     from service.coordinator import NAMESPACE
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE,
-                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS"),
+            namespace=NAMESPACE,
+            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+        )
 
 
 def cmd_run(args) -> int:
@@ -170,8 +175,10 @@ def print_table(rows: list[dict], metric: str, mode: str) -> None:
     if done:
         sign = 1 if mode == "min" else -1
         best = min(done, key=lambda r: sign * r["best_metric"])
-        print(f"best trial: {best['trial_name']} {metric}={_cell(best['best_metric'])} "
-              f"at step {best.get('best_step')}")
+        print(
+            f"best trial: {best['trial_name']} {metric}={_cell(best['best_metric'])} "
+            f"at step {best.get('best_step')}"
+        )
         print(f"best checkpoint: {best.get('best_checkpoint')}")
 
 

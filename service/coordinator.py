@@ -29,9 +29,10 @@ def actor_name(study_name: str) -> str:
 def plan_round(study: Study, rnd: Round) -> list[dict]:
     """The Tune configs of a quasi-random round: one per trial, named `<round>-<index>`."""
     steps = rnd.max_train_steps or study.training.max_train_steps
-    return [{"trial_name": f"{rnd.name}-{i:04d}", "round": rnd.name, "hparams": hp,
-             "max_train_steps": steps}
-            for i, hp in enumerate(quasi_random_configs(study.search, rnd.num_trials, rnd.seed))]
+    return [
+        {"trial_name": f"{rnd.name}-{i:04d}", "round": rnd.name, "hparams": hp, "max_train_steps": steps}
+        for i, hp in enumerate(quasi_random_configs(study.search, rnd.num_trials, rnd.seed))
+    ]
 
 
 class ProgressCallback(tune.Callback):
@@ -52,16 +53,27 @@ class ProgressCallback(tune.Callback):
         if result.get("summary"):
             status = {"diverged": "DIVERGED"}.get(result.get("status"), "FINISHED")
             row = self._table().update(
-                name, status=status, step=result.get("last_step"), best_metric=result.get(self.metric),
-                best_step=result.get("best_step"), best_checkpoint=result.get("best_checkpoint"))
-            print(f"[{name}] {status.lower()}: best {self.metric}={_fmt(row.get('best_metric'))} "
-                  f"at step {row.get('best_step')}", flush=True)
+                name,
+                status=status,
+                step=result.get("last_step"),
+                best_metric=result.get(self.metric),
+                best_step=result.get("best_step"),
+                best_checkpoint=result.get("best_checkpoint"),
+            )
+            print(
+                f"[{name}] {status.lower()}: best {self.metric}={_fmt(row.get('best_metric'))} "
+                f"at step {row.get('best_step')}",
+                flush=True,
+            )
             return
         step, total = result.get("step"), trial.config["trial"]["max_train_steps"]
         self._table().update(name, status="RUNNING", step=step, metric=result.get(self.metric))
-        print(f"[{name}] step {step}/{total} train/loss={_fmt(result.get('train/loss'))} "
-              f"{self.metric}={_fmt(result.get(self.metric))} "
-              f"({_fmt(result.get('steps_per_s'))} steps/s)", flush=True)
+        print(
+            f"[{name}] step {step}/{total} train/loss={_fmt(result.get('train/loss'))} "
+            f"{self.metric}={_fmt(result.get(self.metric))} "
+            f"({_fmt(result.get('steps_per_s'))} steps/s)",
+            flush=True,
+        )
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._table().save()
@@ -88,8 +100,9 @@ class Coordinator:
         self.current_round: str | None = None
 
     def run(self) -> list[dict]:
-        storage.write_bytes_atomic(storage.join(self.study.study_uri, "study.yaml"),
-                                   spec.dump_yaml(self.study).encode())
+        storage.write_bytes_atomic(
+            storage.join(self.study.study_uri, "study.yaml"), spec.dump_yaml(self.study).encode()
+        )
         for rnd in self.study.rounds:
             self.current_round, self.state = rnd.name, "running"
             self._run_round(rnd)
@@ -101,29 +114,40 @@ class Coordinator:
         configs = plan_round(self.study, rnd)
         for c in configs:
             if c["trial_name"] not in self.table.rows:
-                self.table.update(c["trial_name"], round=rnd.name, status="PENDING",
-                                  max_train_steps=c["max_train_steps"],
-                                  **{f"hp/{k}": v for k, v in c["hparams"].items()})
+                self.table.update(
+                    c["trial_name"],
+                    round=rnd.name,
+                    status="PENDING",
+                    max_train_steps=c["max_train_steps"],
+                    **{f"hp/{k}": v for k, v in c["hparams"].items()},
+                )
         self.table.save()
         fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
-        trainable = tune.with_resources(tune.with_parameters(launch.tune_trial, study=self.study),
-                                        {"cpu": TRIAL_DRIVER_CPU})
+        trainable = tune.with_resources(
+            tune.with_parameters(launch.tune_trial, study=self.study), {"cpu": TRIAL_DRIVER_CPU}
+        )
         experiment = storage.join(storage.join(self.study.study_uri, "tune"), rnd.name)
         if tune.Tuner.can_restore(experiment, storage_filesystem=fs):
             print(f"round {rnd.name}: resuming from {experiment}", flush=True)
-            tuner = tune.Tuner.restore(experiment, trainable, resume_unfinished=True,
-                                       resume_errored=True, storage_filesystem=fs)
+            tuner = tune.Tuner.restore(
+                experiment, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs
+            )
         else:
             tuner = tune.Tuner(
                 trainable,
                 param_space={"trial": tune.grid_search(configs)},
                 tune_config=tune.TuneConfig(max_concurrent_trials=self._concurrency(rnd)),
                 run_config=tune.RunConfig(
-                    name=rnd.name, storage_path=tune_path, storage_filesystem=fs, verbose=0,
-                    callbacks=[ProgressCallback(self.study.name, self.study.training.metric)]),
+                    name=rnd.name,
+                    storage_path=tune_path,
+                    storage_filesystem=fs,
+                    verbose=0,
+                    callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
+                ),
             )
-        print(f"round {rnd.name}: {len(configs)} trials, at most {self._concurrency(rnd)} at once",
-              flush=True)
+        print(
+            f"round {rnd.name}: {len(configs)} trials, at most {self._concurrency(rnd)} at once", flush=True
+        )
         tuner.fit()
 
     def _concurrency(self, rnd: Round) -> int:
@@ -137,9 +161,15 @@ class Coordinator:
         return max(1, int(fits))
 
     def status(self) -> dict:
-        return {"study": self.study.name, "state": self.state, "round": self.current_round,
-                "metric": self.study.training.metric, "mode": self.study.training.mode,
-                "trials": self.table.snapshot(), "time": time.time()}
+        return {
+            "study": self.study.name,
+            "state": self.state,
+            "round": self.current_round,
+            "metric": self.study.training.metric,
+            "mode": self.study.training.mode,
+            "trials": self.table.snapshot(),
+            "time": time.time(),
+        }
 
 
 def run_study(study: Study) -> list[dict]:

@@ -9,8 +9,7 @@ import ray
 import ray.train
 import ray.tune
 import torch.distributed as dist
-from ray.train import (Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
-                       ScalingConfig)
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -51,9 +50,15 @@ def worker_topology() -> Topology:
         dist.all_gather_object(node_ids, node_id)
     hosts = host_ranks(node_ids)
     local_rank = sum(1 for r in range(world_rank) if node_ids[r] == node_id)
-    return Topology(world_rank=world_rank, world_size=world_size, host_rank=hosts[world_rank],
-                    num_hosts=len(set(node_ids)), local_rank=local_rank,
-                    workers_per_host=node_ids.count(node_id), node_id=node_id)
+    return Topology(
+        world_rank=world_rank,
+        world_size=world_size,
+        host_rank=hosts[world_rank],
+        num_hosts=len(set(node_ids)),
+        local_rank=local_rank,
+        workers_per_host=node_ids.count(node_id),
+        node_id=node_id,
+    )
 
 
 def train_worker(config: dict) -> None:
@@ -81,15 +86,20 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
         train_worker,
         train_loop_config={"plan": plan},
         scaling_config=ScalingConfig(
-            num_workers=scaling.world_size, use_gpu=scaling.use_gpu,
+            num_workers=scaling.world_size,
+            use_gpu=scaling.use_gpu,
             resources_per_worker={**resources, **({"GPU": 1} if scaling.use_gpu else {})},
-            placement_strategy=placement_strategy(scaling)),
+            placement_strategy=placement_strategy(scaling),
+        ),
         run_config=RunConfig(
-            name=plan.trial_name, storage_path=trials_path, storage_filesystem=fs,
+            name=plan.trial_name,
+            storage_path=trials_path,
+            storage_filesystem=fs,
             checkpoint_config=CheckpointConfig(
                 num_to_keep=study.training.num_checkpoints_to_keep,
                 checkpoint_score_attribute=study.training.metric,
-                checkpoint_score_order=study.training.mode),
+                checkpoint_score_order=study.training.mode,
+            ),
             failure_config=FailureConfig(max_failures=MAX_WORKER_GROUP_RESTARTS),
             callbacks=[TuneReportCallback()] if in_tune else [],
             # Ray Train's per-report INFO lines would drown the coordinator's progress lines in
@@ -103,8 +113,13 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
 def tune_trial(config: dict, study: Study) -> None:
     """One Tune trial = one Ray Train run. Its last Tune report is the trial summary."""
     c = config["trial"]
-    plan = TrialPlan(study=study, trial_name=c["trial_name"], round_name=c["round"],
-                     hparams=c["hparams"], max_train_steps=c["max_train_steps"])
+    plan = TrialPlan(
+        study=study,
+        trial_name=c["trial_name"],
+        round_name=c["round"],
+        hparams=c["hparams"],
+        max_train_steps=c["max_train_steps"],
+    )
     result = trainer_for(plan, in_tune=True).fit()
     ray.tune.report({**summarize(plan, result), "summary": True})
 
@@ -123,7 +138,8 @@ def summarize(plan: TrialPlan, result) -> dict:
         "last_step": last.get("step", 0),
         "best_step": best["step"] if best else None,
         "best_checkpoint": _uri(plan.study, by_step[best["step"]].path)
-        if best and best["step"] in by_step else None,
+        if best and best["step"] in by_step
+        else None,
         "num_checkpoints": len(result.best_checkpoints),
     }
 

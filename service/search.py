@@ -13,8 +13,38 @@ import numpy as np
 
 from service.spec import HParam, Scalar
 
-PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83,
-          89, 97, 101, 103, 107, 109, 113)
+PRIMES = (
+    2,
+    3,
+    5,
+    7,
+    11,
+    13,
+    17,
+    19,
+    23,
+    29,
+    31,
+    37,
+    41,
+    43,
+    47,
+    53,
+    59,
+    61,
+    67,
+    71,
+    73,
+    79,
+    83,
+    89,
+    97,
+    101,
+    103,
+    107,
+    109,
+    113,
+)
 
 
 def scrambled_halton(num_points: int, num_dims: int, seed: int) -> np.ndarray:

@@ -113,12 +113,14 @@ class Training:
         if self.eval_batch_size is not None:
             yield from _positive(self, "eval_batch_size")
             if self.eval_batch_size < self.batch_size:
-                yield "eval_batch_size", (
-                    f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size})"
+                yield (
+                    "eval_batch_size",
+                    (f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size})"),
                 )
         if self.eval_every_steps > self.max_train_steps:
-            yield "eval_every_steps", (
-                f"must be <= max_train_steps ({self.eval_every_steps} > {self.max_train_steps})"
+            yield (
+                "eval_every_steps",
+                (f"must be <= max_train_steps ({self.eval_every_steps} > {self.max_train_steps})"),
             )
         if "/" not in self.metric:
             yield "metric", f"must look like 'validation/<name>' (got {self.metric!r})"
@@ -250,14 +252,20 @@ class Study:
                 schedule.warmup_steps >= r.max_train_steps
                 or schedule.warmup_steps + (schedule.decay_steps or 0) > r.max_train_steps
             ):
-                yield f"rounds[{i}].max_train_steps", (
-                    f"must be > training.schedule.warmup_steps and >= warmup_steps + decay_steps "
-                    f"(got {r.max_train_steps})"
+                yield (
+                    f"rounds[{i}].max_train_steps",
+                    (
+                        f"must be > training.schedule.warmup_steps and >= warmup_steps + decay_steps "
+                        f"(got {r.max_train_steps})"
+                    ),
                 )
         if self.training.batch_size % self.scaling.world_size:
-            yield "training.batch_size", (
-                f"must be divisible by num_hosts * workers_per_host "
-                f"({self.training.batch_size} % {self.scaling.world_size} != 0)"
+            yield (
+                "training.batch_size",
+                (
+                    f"must be divisible by num_hosts * workers_per_host "
+                    f"({self.training.batch_size} % {self.scaling.world_size} != 0)"
+                ),
             )
         if self.training.resolved_eval_batch_size % self.scaling.world_size:
             yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
@@ -300,17 +308,17 @@ def _mapping_without_duplicates(loader, node, deep=False):
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
-                                                    key_node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep)
 
 
-_StudyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                             _mapping_without_duplicates)
+_StudyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 _StudyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def load_text(text: str, source: str = "<study>") -> Study:

@@ -14,8 +14,19 @@ import pyarrow.parquet as pq
 from service import storage
 
 STATUSES = ("PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED")
-COLUMNS = ("trial_name", "round", "status", "step", "max_train_steps", "metric", "best_metric",
-           "best_step", "best_checkpoint", "error", "updated_at")
+COLUMNS = (
+    "trial_name",
+    "round",
+    "status",
+    "step",
+    "max_train_steps",
+    "metric",
+    "best_metric",
+    "best_step",
+    "best_checkpoint",
+    "error",
+    "updated_at",
+)
 
 
 class TrialTable:
@@ -47,8 +58,9 @@ class TrialTable:
             return [dict(r) for r in self.rows.values()]
 
     def best(self) -> dict | None:
-        done = [r for r in self.snapshot() if r.get("best_metric") is not None
-                and r.get("status") == "FINISHED"]
+        done = [
+            r for r in self.snapshot() if r.get("best_metric") is not None and r.get("status") == "FINISHED"
+        ]
         sign = 1 if self.mode == "min" else -1
         return min(done, key=lambda r: sign * r["best_metric"], default=None)
 

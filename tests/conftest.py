@@ -66,8 +66,12 @@ def ray_cluster():
 
     from service.coordinator import NAMESPACE
 
-    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+    ray.init(
+        num_cpus=2,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+    )
     yield ray
     ray.shutdown()
 

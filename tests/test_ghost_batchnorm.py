@@ -1,4 +1,4 @@
-"""Ghost batch norm: per-virtual-batch normalisation, running-stat updates, grads and conversion, vs hand-written math."""
+"""Ghost batch norm vs hand-written math: per-virtual-batch outputs, running stats, grads, conversion."""
 
 from __future__ import annotations
 
@@ -82,9 +82,7 @@ def _check_train(bn, x, virtual):
 
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
-@pytest.mark.parametrize(
-    "n,chunks", [(256, 4), (100, 2)], ids=["multiple-of-virtual", "remainder-chunk"]
-)
+@pytest.mark.parametrize("n,chunks", [(256, 4), (100, 2)], ids=["multiple-of-virtual", "remainder-chunk"])
 def test_2d_train_normalises_each_virtual_batch(n, chunks, momentum):
     bn = _ghost(GhostBatchNorm2d, 3, virtual=64, momentum=momentum)
     bn.num_batches_tracked.fill_(2)  # so the cumulative average starts mid-way
@@ -202,7 +200,9 @@ def test_convert_small_conv_net():
     y = converted(x)
     y_original = original(x)
     assert (y - y_original).abs().max() > 1e-2
-    torch.testing.assert_close(y.double(), _ref_small_conv_net(original, x.double(), 64), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        y.double(), _ref_small_conv_net(original, x.double(), 64), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_convert_keeps_layer_settings():
@@ -214,7 +214,11 @@ def test_convert_keeps_layer_settings():
     ghost = model[1][0]
     assert isinstance(ghost, GhostBatchNorm1d)
     assert (ghost.eps, ghost.momentum, ghost.affine, ghost.track_running_stats) == (1e-3, None, False, False)
-    assert ghost.weight is None and ghost.running_mean is None and model.state_dict().keys() == {"0.weight", "0.bias"}
+    assert (
+        ghost.weight is None
+        and ghost.running_mean is None
+        and model.state_dict().keys() == {"0.weight", "0.bias"}
+    )
 
 
 def test_convert_without_batchnorm_raises():

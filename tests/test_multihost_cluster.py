@@ -27,8 +27,7 @@ def three_node_cluster(tmp_path_factory):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(NUM_HOSTS - 1):
         cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address,
-             runtime_env={"env_vars": {"PLAYBOOK_STORAGE_AUDIT": str(audit)}})
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PLAYBOOK_STORAGE_AUDIT": str(audit)}})
     try:
         yield cluster, audit
     finally:
@@ -45,13 +44,20 @@ def two_runs(three_node_cluster, digits_dir, tmp_path_factory):
     runs = []
     for i in range(2):
         storage = tmp_path_factory.mktemp(f"storage{i}")
-        study = make_study(digits_dir, storage, name="multihost",
-                           scaling={"num_hosts": NUM_HOSTS, "workers_per_host": 1},
-                           training={"batch_size": 30, "eval_batch_size": 60,
-                                     "max_train_steps": 20, "eval_every_steps": 10})
-        plan = TrialPlan(study=study, trial_name="explore-0000", round_name="explore",
-                         hparams={"learning_rate": 0.1, "momentum": 0.9, "width": 4},
-                         max_train_steps=20)
+        study = make_study(
+            digits_dir,
+            storage,
+            name="multihost",
+            scaling={"num_hosts": NUM_HOSTS, "workers_per_host": 1},
+            training={"batch_size": 30, "eval_batch_size": 60, "max_train_steps": 20, "eval_every_steps": 10},
+        )
+        plan = TrialPlan(
+            study=study,
+            trial_name="explore-0000",
+            round_name="explore",
+            hparams={"learning_rate": 0.1, "momentum": 0.9, "width": 4},
+            max_train_steps=20,
+        )
         before = set(os.listdir(audit))
         launch.run_single(plan)
         with open(os.path.join(plan.trial_uri, "topology.json")) as f:
@@ -108,8 +114,11 @@ def test_only_rank_0_wrote_to_storage(two_runs):
         assert {plan.metrics_uri, plan.topology_uri} <= written
         assert all(u.startswith(plan.trial_uri) for u in written)
         # Checkpoints are persisted by Ray from rank 0's report alone: one file set each.
-        ckpts = [d for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")
-                 and os.path.isdir(os.path.join(plan.trial_uri, d))]
+        ckpts = [
+            d
+            for d in os.listdir(plan.trial_uri)
+            if d.startswith("checkpoint_") and os.path.isdir(os.path.join(plan.trial_uri, d))
+        ]
         assert ckpts
         for d in ckpts:
             assert sorted(os.listdir(os.path.join(plan.trial_uri, d))) == ["meta.json", "state.pt"]
@@ -119,7 +128,11 @@ def test_fewer_files_than_hosts_is_a_clear_error(digits_dir, tmp_path):
     from service.checks import check_data
     from service.errors import DataError
 
-    study = make_study(digits_dir, tmp_path, scaling={"num_hosts": 5, "workers_per_host": 1},
-                       training={"batch_size": 40, "eval_batch_size": 80})
+    study = make_study(
+        digits_dir,
+        tmp_path,
+        scaling={"num_hosts": 5, "workers_per_host": 1},
+        training={"batch_size": 40, "eval_batch_size": 80},
+    )
     with pytest.raises(DataError, match=r"4 training files cannot be sharded over scaling.num_hosts=5"):
         check_data(dataclasses.replace(study))

@@ -58,7 +58,11 @@ def test_every_step_matches_reference(kind, max_steps, warmup, decay, final):
     assert np.all(got <= 1.0 + 1e-12)
     assert np.all(got[warmup:] >= final - 1e-12)
     assert np.all(got > 0)  # no update is spent at lr 0
-    end = lr_factor(max_steps, max_steps, Schedule(kind=kind, warmup_steps=warmup, decay_steps=decay, final_lr_fraction=final))
+    end = lr_factor(
+        max_steps,
+        max_steps,
+        Schedule(kind=kind, warmup_steps=warmup, decay_steps=decay, final_lr_fraction=final),
+    )
     assert end == pytest.approx(1.0 if kind == "constant" else final, abs=1e-12)
 
 

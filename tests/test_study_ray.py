@@ -27,9 +27,12 @@ def finished_study(ray_cluster, digits_dir, tmp_path_factory):
     from service.coordinator import run_study
 
     storage = tmp_path_factory.mktemp("storage")
-    study = make_study(digits_dir, storage, name="ray-e2e",
-                       training={"max_train_steps": MAX_STEPS, "eval_every_steps": EVERY,
-                                 "num_checkpoints_to_keep": KEEP})
+    study = make_study(
+        digits_dir,
+        storage,
+        name="ray-e2e",
+        training={"max_train_steps": MAX_STEPS, "eval_every_steps": EVERY, "num_checkpoints_to_keep": KEEP},
+    )
     rows = run_study(study)
     return study, rows
 
@@ -108,9 +111,13 @@ def test_best_checkpoint_reproduces_its_metric_independently(finished_study, dig
 
 def test_status_reads_the_stored_study(finished_study):
     study, _ = finished_study
-    out = subprocess.run([sys.executable, "-m", "service", "status", study.name,
-                          "--storage", study.storage], capture_output=True, text=True,
-                         env={**os.environ, "RAY_ADDRESS": ""}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RAY_ADDRESS": ""},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "explore-0000" in out.stdout and "explore-0001" in out.stdout
     assert "best trial:" in out.stdout
@@ -125,4 +132,5 @@ def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
     after = {r["trial_name"]: kept_checkpoints(study, r["trial_name"]) for r in again}
     assert before == after
     assert {r["trial_name"]: r["best_metric"] for r in again} == {
-        r["trial_name"]: r["best_metric"] for r in rows}
+        r["trial_name"]: r["best_metric"] for r in rows
+    }

@@ -20,11 +20,13 @@ def digits_table() -> pa.Table:
 
     digits = load_digits()
     pixels = (digits.data / 16.0).astype(np.float32)
-    return pa.table({
-        "example_id": pa.array(np.arange(len(pixels)), pa.int64()),
-        "pixels": pa.FixedSizeListArray.from_arrays(pa.array(pixels.reshape(-1)), 64),
-        "label": pa.array(digits.target.astype(np.int64)),
-    })
+    return pa.table(
+        {
+            "example_id": pa.array(np.arange(len(pixels)), pa.int64()),
+            "pixels": pa.FixedSizeListArray.from_arrays(pa.array(pixels.reshape(-1)), 64),
+            "label": pa.array(digits.target.astype(np.int64)),
+        }
+    )
 
 
 def write_digits(uri: str, seed: int = 0) -> dict[str, list[str]]:
@@ -36,7 +38,7 @@ def write_digits(uri: str, seed: int = 0) -> dict[str, list[str]]:
     bounds[-1] = table.num_rows
     written: dict[str, list[str]] = {}
     for i, split in enumerate(SPLITS):
-        rows = np.sort(order[bounds[i]:bounds[i + 1]])
+        rows = np.sort(order[bounds[i] : bounds[i + 1]])
         part = table.take(pa.array(rows))
         written[split] = []
         for j, chunk in enumerate(np.array_split(np.arange(part.num_rows), FILES_PER_SPLIT[split])):

@@ -59,8 +59,9 @@ def read_columns(file: DataFile, columns: tuple[str, ...]) -> pa.Table:
             pf = pq.ParquetFile(f)
             missing = [c for c in columns if c not in pf.schema_arrow.names]
             if missing:
-                raise DataError(f"{file.uri}: missing column {missing[0]!r} "
-                                f"(has: {', '.join(pf.schema_arrow.names)})")
+                raise DataError(
+                    f"{file.uri}: missing column {missing[0]!r} (has: {', '.join(pf.schema_arrow.names)})"
+                )
             return pf.read(columns=list(columns))
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{file.uri}: cannot read ({e})") from None

@@ -58,4 +58,4 @@ def eval_batches(workload: Workload, ranges: list[RowRange], batch_size: int) ->
     tensors = workload.to_batch(read_ranges(ranges, workload.columns))
     n = len(tensors["label"])
     for start in range(0, n, batch_size):
-        yield {k: v[start:start + batch_size] for k, v in tensors.items()}
+        yield {k: v[start : start + batch_size] for k, v in tensors.items()}

@@ -25,8 +25,10 @@ def files_for_hosts(files: list[DataFile], num_hosts: int) -> list[list[DataFile
     """Greedy longest-first assignment of whole files to hosts, balancing row counts.
     Deterministic: depends only on the (sorted) file list."""
     if len(files) < num_hosts:
-        raise DataError(f"{files[0].uri if files else 'data'}: {len(files)} training files "
-                        f"cannot be sharded over {num_hosts} hosts (need at least one per host)")
+        raise DataError(
+            f"{files[0].uri if files else 'data'}: {len(files)} training files "
+            f"cannot be sharded over {num_hosts} hosts (need at least one per host)"
+        )
     order = sorted(range(len(files)), key=lambda i: (-files[i].num_rows, files[i].uri))
     loads = [0] * num_hosts
     shards: list[list[int]] = [[] for _ in range(num_hosts)]
@@ -36,9 +38,11 @@ def files_for_hosts(files: list[DataFile], num_hosts: int) -> list[list[DataFile
         loads[host] += files[i].num_rows
     for host, load in enumerate(loads):
         if load == 0:
-            raise DataError(f"{files[0].uri}: training files cannot be sharded over {num_hosts} "
-                            f"hosts: host {host} would get no rows (files with rows: "
-                            f"{sum(1 for f in files if f.num_rows)})")
+            raise DataError(
+                f"{files[0].uri}: training files cannot be sharded over {num_hosts} "
+                f"hosts: host {host} would get no rows (files with rows: "
+                f"{sum(1 for f in files if f.num_rows)})"
+            )
     return [[files[i] for i in sorted(s)] for s in shards]
 
 
@@ -56,7 +60,8 @@ def row_ranges(files: list[DataFile], part: int, num_parts: int) -> list[RowRang
     return out
 
 
-def train_shard(files: list[DataFile], num_hosts: int, host_rank: int,
-                workers_per_host: int, local_rank: int) -> list[RowRange]:
+def train_shard(
+    files: list[DataFile], num_hosts: int, host_rank: int, workers_per_host: int, local_rank: int
+) -> list[RowRange]:
     host_files = files_for_hosts(files, num_hosts)[host_rank]
     return row_ranges(host_files, local_rank, workers_per_host)

@@ -49,8 +49,7 @@ def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
         betas = (float(hparams.get("beta1", 0.9)), float(hparams.get("beta2", 0.999)))
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=wd)
     momentum = float(hparams.get("momentum", 0.9))
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd,
-                           nesterov=name == "nesterov")
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=name == "nesterov")
 
 
 def all_reduce_sum(values: list[float], device) -> list[float]:
@@ -100,8 +99,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     torch.manual_seed(init_seed(tr.seed))
     model = workload.build_model(plan.hparams).to(device)
     init_params = provenance.params_sha256(model)
-    ddp = (nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-           if distributed() else model)
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
     # Per-rank randomness (dropout, augmentation) from the per-host data seed.
     torch.manual_seed(data_seed(tr.seed, topo.host_rank, topo.local_rank))
@@ -110,15 +108,30 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     local_batch = tr.batch_size // topo.world_size
     my_data_seed = data_seed(tr.seed, topo.host_rank, topo.local_rank)
     opened_before = len(files.OPENED)
-    stream = TrainStream(workload, train_shard(list_files(study.data.train), topo.num_hosts,
-                                               topo.host_rank, topo.workers_per_host,
-                                               topo.local_rank),
-                         local_batch, my_data_seed)
+    stream = TrainStream(
+        workload,
+        train_shard(
+            list_files(study.data.train),
+            topo.num_hosts,
+            topo.host_rank,
+            topo.workers_per_host,
+            topo.local_rank,
+        ),
+        local_batch,
+        my_data_seed,
+    )
     val_ranges = row_ranges(list_files(study.data.validation), topo.world_rank, topo.world_size)
     eval_local_batch = tr.resolved_eval_batch_size // topo.world_size
-    records = provenance.gather(provenance.rank_record(
-        topo, init_seed(tr.seed), my_data_seed, init_params,
-        sorted(set(files.OPENED[opened_before:])), stream.batch(0)["example_id"]))
+    records = provenance.gather(
+        provenance.rank_record(
+            topo,
+            init_seed(tr.seed),
+            my_data_seed,
+            init_params,
+            sorted(set(files.OPENED[opened_before:])),
+            stream.batch(0)["example_id"],
+        )
+    )
     rank0.run(provenance.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
 
     # 3. Resume from the latest checkpoint: weights, optimizer, step, RNG, history.
@@ -158,9 +171,12 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         elapsed_s = time.perf_counter() - interval_start
         bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
         loss_total, loss_n, bad = all_reduce_sum([loss_sum, loss_count, bad_flag], device)
-        row = {"step": step, "learning_rate": lr,
-               "train/loss": loss_total / loss_n if loss_n else math.nan,
-               "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9)}
+        row = {
+            "step": step,
+            "learning_rate": lr,
+            "train/loss": loss_total / loss_n if loss_n else math.nan,
+            "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9),
+        }
         if bad:
             row.update({"status": "diverged", tr.metric: worst(tr.mode)})
             history.append(row)
@@ -168,12 +184,18 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             reporter.report(row, None)
             break
         sync_batchnorm_stats(model)
-        val_metrics, _ = evaluate(model, workload, eval_batches(workload, val_ranges, eval_local_batch), device)
+        val_metrics, _ = evaluate(
+            model, workload, eval_batches(workload, val_ranges, eval_local_batch), device
+        )
         row.update({f"validation/{k}": v for k, v in val_metrics.items()})
         history.append(row)
         best = best_row(history, tr.metric, tr.mode)
-        report = {**row, "status": "running" if step < max_steps else "finished",
-                  "best_step": best["step"], "best_metric": best[tr.metric]}
+        report = {
+            **row,
+            "status": "running" if step < max_steps else "finished",
+            "best_step": best["step"],
+            "best_metric": best[tr.metric],
+        }
         rng_states = gather_rng_states()
         state = TrialState(step, model.state_dict(), optimizer.state_dict(), rng_states, history)
         with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
@@ -184,10 +206,14 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         interval_start = time.perf_counter()
 
     best = best_row(history, tr.metric, tr.mode)
-    return {"trial_name": plan.trial_name, "last_step": step, "history": history,
-            "status": history[-1].get("status", "finished") if history else "finished",
-            "best_step": best["step"] if best else None,
-            "best_metric": best[tr.metric] if best else None}
+    return {
+        "trial_name": plan.trial_name,
+        "last_step": step,
+        "history": history,
+        "status": history[-1].get("status", "finished") if history else "finished",
+        "best_step": best["step"] if best else None,
+        "best_metric": best[tr.metric] if best else None,
+    }
 
 
 def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:

@@ -35,19 +35,37 @@ def gather(record: dict) -> list[dict]:
     return records
 
 
-def rank_record(topo: Topology, init_seed: int, data_seed: int, init_params: str,
-                train_files: list[str], first_batch_ids: torch.Tensor) -> dict:
-    return {"world_rank": topo.world_rank, "host_rank": topo.host_rank,
-            "local_rank": topo.local_rank, "node_id": topo.node_id, "pid": os.getpid(),
-            "init_seed": init_seed, "data_seed": data_seed,
-            "init_params_sha256": init_params, "train_files": train_files,
-            "first_batch_sha256": ids_sha256(first_batch_ids)}
+def rank_record(
+    topo: Topology,
+    init_seed: int,
+    data_seed: int,
+    init_params: str,
+    train_files: list[str],
+    first_batch_ids: torch.Tensor,
+) -> dict:
+    return {
+        "world_rank": topo.world_rank,
+        "host_rank": topo.host_rank,
+        "local_rank": topo.local_rank,
+        "node_id": topo.node_id,
+        "pid": os.getpid(),
+        "init_seed": init_seed,
+        "data_seed": data_seed,
+        "init_params_sha256": init_params,
+        "train_files": train_files,
+        "first_batch_sha256": ids_sha256(first_batch_ids),
+    }
 
 
 def write(uri: str, trial_name: str, requested_hosts: int, records: list[dict]) -> None:
     hosts = len({r["host_rank"] for r in records})
     if hosts != requested_hosts:
-        print(f"[{trial_name}] warning: ran on {hosts} host(s), the study asked for "
-              f"{requested_hosts}; data was sharded over the {hosts} actual host(s)", flush=True)
-    storage.write_json(uri, {"trial_name": trial_name, "requested_hosts": requested_hosts,
-                             "num_hosts": hosts, "ranks": records})
+        print(
+            f"[{trial_name}] warning: ran on {hosts} host(s), the study asked for "
+            f"{requested_hosts}; data was sharded over the {hosts} actual host(s)",
+            flush=True,
+        )
+    storage.write_json(
+        uri,
+        {"trial_name": trial_name, "requested_hosts": requested_hosts, "num_hosts": hosts, "ranks": records},
+    )

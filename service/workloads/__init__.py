@@ -15,8 +15,10 @@ def get(name: str) -> Workload:
     if name in BUILTIN:
         return BUILTIN[name]()
     if ":" not in name:
-        raise SpecError(f"workload: unknown workload {name!r} (built-in: {', '.join(BUILTIN)}; "
-                        "or give package.module:Class)")
+        raise SpecError(
+            f"workload: unknown workload {name!r} (built-in: {', '.join(BUILTIN)}; "
+            "or give package.module:Class)"
+        )
     module_name, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
