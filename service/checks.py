@@ -35,6 +35,11 @@ def check_workload(study: Study) -> None:
             f"training.metric: {study.training.metric!r} is not reported by workload "
             f"{workload.name} (known: {known})"
         )
+    if study.training.ghost_batch_norm:
+        from service.nn.ghost_batchnorm import has_batchnorm
+
+        if not has_batchnorm(workload.build_model({})):
+            raise SpecError(f"training.ghost_batch_norm: workload {workload.name} has no BatchNorm layer")
     accepted = set(OPTIMIZER_HPARAMS) | set(workload.hparam_defaults)
     for name in study.search:
         if name not in accepted:

@@ -332,3 +332,40 @@ def test_checkpoint_load_rejects_other_format(tmp_path):
     )
     with pytest.raises(ValueError, match="format 0"):
         checkpoint.load(str(directory))
+
+
+@pytest.mark.parametrize("ghost", [False, True])
+def test_ghost_batch_norm_is_what_the_loop_trains_with(digits_dir, tmp_path, ghost):
+    """After one step, the first BN layer's running mean is the per-virtual-batch update of the
+    first batch's conv features (ghost) or the whole-batch update (plain), computed by hand."""
+    from service.data.files import list_files
+    from service.data.loader import TrainStream
+    from service.data.sharding import train_shard
+    from service.topology import data_seed, init_seed
+
+    plan = make_plan(
+        digits_dir,
+        tmp_path / "s",
+        max_train_steps=1,
+        eval_every_steps=1,
+        ghost_batch_norm=ghost,
+        virtual_batch_size=8,
+        schedule={"kind": "constant"},
+    )
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+    trained = checkpoint.load(reporter.reports[-1][1]).model["features.1.running_mean"]
+
+    torch.manual_seed(init_seed(0))
+    model = Digits().build_model(HPARAMS)
+    workload = Digits()
+    stream = TrainStream(
+        workload, train_shard(list_files(str(digits_dir / "train")), 1, 0, 1, 0), 32, data_seed(0, 0, 0)
+    )
+    with torch.no_grad():
+        conv = model.features[0](stream.batch(0)["features"]).double()
+    running = np.zeros(conv.shape[1])
+    chunks = torch.split(conv, 8) if ghost else [conv]
+    for chunk in chunks:
+        running = 0.9 * running + 0.1 * chunk.mean(dim=(0, 2, 3)).numpy()
+    np.testing.assert_allclose(trained.double().numpy(), running, rtol=1e-5, atol=1e-6)

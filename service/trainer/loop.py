@@ -22,6 +22,7 @@ from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches
 from service.data.sharding import row_ranges, train_shard
 from service.nn.batchnorm import sync_batchnorm_stats
+from service.nn.ghost_batchnorm import convert_to_ghost
 from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
 from service.trainer import checkpoint, provenance
@@ -98,6 +99,8 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     # 1. Model: the same init seed on every rank -> bit-identical initial weights.
     torch.manual_seed(init_seed(tr.seed))
     model = workload.build_model(plan.hparams).to(device)
+    if tr.ghost_batch_norm:  # BN statistics over virtual batches, not the per-worker batch
+        convert_to_ghost(model, tr.virtual_batch_size)
     init_params = provenance.params_sha256(model)
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
