@@ -154,7 +154,7 @@ def cmd_demo(args) -> int:
     from service.data.builtin import write_digits
 
     raw = spec.load_file(args.study_file)
-    data_root = os.path.dirname(os.path.dirname(storage.absolute(raw.data.train)))
+    data_root = os.path.dirname(storage.absolute(raw.data.train).rstrip("/"))
     if not storage.exists(raw.data.train):
         print(f"writing the digits dataset to {data_root}")
         write_digits(data_root)
