@@ -78,3 +78,19 @@ def check_storage(study: Study) -> None:
         fs.rm(path)
     except (StorageError, OSError) as e:
         raise StorageError(f"storage: {study.storage} is not writable ({e})") from None
+
+
+def check_same_study(study: Study) -> None:
+    """A rerun resumes the stored study; a *different* study under the same name and storage
+    would silently mix with it, so it is refused."""
+    stored_uri = storage.join(study.study_uri, "study.yaml")
+    if not storage.exists(stored_uri):
+        return
+    from service import spec
+
+    stored = spec.load_text(storage.read_bytes(stored_uri).decode(), source=stored_uri)
+    if stored != study:
+        changed = sorted(k for k, v in spec.to_dict(study).items() if spec.to_dict(stored).get(k) != v)
+        raise SpecError(f"name: study {study.name!r} already exists at {study.study_uri} with a "
+                        f"different {', '.join(changed)}; rerun it unchanged to resume, or give "
+                        "the new study another name")

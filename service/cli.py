@@ -91,12 +91,13 @@ def connect_ray() -> None:
 
 
 def cmd_run(args) -> int:
-    from service.checks import check_data, check_storage
+    from service.checks import check_data, check_same_study, check_storage
     from service.coordinator import run_study
 
     study = load_study(args.study_file, args.storage)
     check_data(study)
     check_storage(study)
+    check_same_study(study)
     connect_ray()
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)

@@ -490,3 +490,16 @@ def test_repeated_key_is_rejected_with_its_line():
     line = text.count("\n")
     with pytest.raises(SpecError, match=rf"^x.yaml: not valid YAML at line {line}: duplicate key 'name'"):
         spec.load_text(text, source="x.yaml")
+
+
+def test_a_changed_study_under_an_existing_name_is_refused(tmp_path):
+    from service import storage
+    from service.checks import check_same_study
+
+    study = dataclasses.replace(spec.load_file(DEMO), storage=str(tmp_path))
+    check_same_study(study)  # nothing stored yet
+    storage.write_bytes_atomic(storage.join(study.study_uri, "study.yaml"), spec.dump_yaml(study).encode())
+    check_same_study(study)  # the same study: a rerun resumes it
+    changed = dataclasses.replace(study, description="something else")
+    with pytest.raises(SpecError, match=r"^name: study 'digits-demo' already exists .* different description"):
+        check_same_study(changed)
