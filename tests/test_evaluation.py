@@ -80,7 +80,9 @@ def test_padded_batches_give_the_full_set_metrics(eval_batch_size):
     sums = WeightedSums(workload.metric_names, num_classes=workload.num_classes)
     with torch.no_grad():
         for start in range(0, 300, eval_batch_size):
-            batch = pad_batch({k: v[start : start + eval_batch_size] for k, v in data.items()}, eval_batch_size)
+            batch = pad_batch(
+                {k: v[start : start + eval_batch_size] for k, v in data.items()}, eval_batch_size
+            )
             assert all(len(v) == eval_batch_size for v in batch.values())
             outputs = workload.forward(model, batch)
             per_example = workload.metrics(outputs, batch)
@@ -149,7 +151,9 @@ def test_per_class_matches_sklearn():
     np.testing.assert_allclose([r["recall"] for r in rows], recall, rtol=1e-12)
     for r in rows:
         if r["support"]:
-            np.testing.assert_allclose(r["recall_interval"], textbook_wilson(r["true_positives"], r["support"]))
+            np.testing.assert_allclose(
+                r["recall_interval"], textbook_wilson(r["true_positives"], r["support"])
+            )
         if r["predicted"]:
             np.testing.assert_allclose(
                 r["precision_interval"], textbook_wilson(r["true_positives"], r["predicted"])

@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from scipy.special import log_softmax
-from sklearn.metrics import accuracy_score, confusion_matrix
 
 from service.evaluation.metrics import WeightedSums
 from service.evaluation.padding import pad_batch
@@ -59,6 +57,10 @@ def eval_rank(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_all_reduced_metrics_equal_the_full_set(world, tmp_path):
+    # Imported here, not at module level: the spawned ranks import this module and need neither.
+    from scipy.special import log_softmax
+    from sklearn.metrics import accuracy_score, confusion_matrix
+
     results = run_gloo(eval_rank, world, tmp_path)
     logits, labels = predictions_and_labels()
     predictions = logits.argmax(axis=1)

@@ -24,9 +24,11 @@ def three_node_cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     audit = tmp_path_factory.mktemp("audit")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(NUM_HOSTS - 1):
-        cluster.add_node(num_cpus=1)
+    # A head without CPUs (the driver and Ray Train's controller need none) and three 2-CPU
+    # "hosts": 3 x 1 workers spread one per host, 2 x 2 workers pack two per host.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(NUM_HOSTS):
+        cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PLAYBOOK_STORAGE_AUDIT": str(audit)}})
     try:
         yield cluster, audit
@@ -122,6 +124,41 @@ def test_only_rank_0_wrote_to_storage(two_runs):
         assert ckpts
         for d in ckpts:
             assert sorted(os.listdir(os.path.join(plan.trial_uri, d))) == ["meta.json", "state.pt"]
+
+
+def test_two_hosts_of_two_workers_read_disjoint_host_shards(three_node_cluster, digits_dir, tmp_path):
+    from service import launch
+
+    study = make_study(
+        digits_dir,
+        tmp_path,
+        name="twobytwo",
+        scaling={"num_hosts": 2, "workers_per_host": 2},
+        training={"batch_size": 32, "eval_batch_size": 64, "max_train_steps": 10, "eval_every_steps": 10},
+    )
+    plan = TrialPlan(
+        study=study,
+        trial_name="explore-0000",
+        round_name="explore",
+        hparams={"learning_rate": 0.1, "momentum": 0.9, "width": 4},
+        max_train_steps=10,
+    )
+    launch.run_single(plan)
+    with open(plan.topology_uri) as f:
+        ranks = json.load(f)["ranks"]
+    layout = sorted((r["host_rank"], r["local_rank"]) for r in ranks)
+    assert layout == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_host = {h: [r for r in ranks if r["host_rank"] == h] for h in (0, 1)}
+    host_files = {}
+    for h, members in by_host.items():
+        assert len({r["node_id"] for r in members}) == 1
+        assert members[0]["first_batch_sha256"] != members[1]["first_batch_sha256"]
+        host_files[h] = set(members[0]["train_files"]) | set(members[1]["train_files"])
+    assert not host_files[0] & host_files[1]
+    all_files = {f.uri for f in list_files(str(digits_dir / "train"))}
+    assert host_files[0] | host_files[1] == all_files
+    assert len({r["data_seed"] for r in ranks}) == 4
+    assert len({r["init_params_sha256"] for r in ranks}) == 1
 
 
 def test_fewer_files_than_hosts_is_a_clear_error(digits_dir, tmp_path):

@@ -1,1 +1,1 @@
-"""Exact evaluation: padded eval batches, weighted cross-rank metrics, per-class reports, sample-bias checks."""
+"""Exact evaluation: padded eval batches, weighted cross-rank metrics, per-class reports, sample bias."""
