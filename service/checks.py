@@ -91,6 +91,8 @@ def check_same_study(study: Study) -> None:
     stored = spec.load_text(storage.read_bytes(stored_uri).decode(), source=stored_uri)
     if stored != study:
         changed = sorted(k for k, v in spec.to_dict(study).items() if spec.to_dict(stored).get(k) != v)
-        raise SpecError(f"name: study {study.name!r} already exists at {study.study_uri} with a "
-                        f"different {', '.join(changed)}; rerun it unchanged to resume, or give "
-                        "the new study another name")
+        raise SpecError(
+            f"name: study {study.name!r} already exists at {study.study_uri} with a "
+            f"different {', '.join(changed)}; rerun it unchanged to resume, or give "
+            "the new study another name"
+        )

@@ -27,6 +27,9 @@ class TrialPlan:
     def topology_uri(self) -> str:
         return storage.join(self.trial_uri, "topology.json")
 
+    def predictions_uri(self, split: str, step: int) -> str:
+        return storage.join(self.trial_uri, "predictions", f"{split}-step{step:08d}.parquet")
+
     @property
     def metrics_uri(self) -> str:
         return storage.join(self.trial_uri, "metrics.jsonl")

@@ -369,3 +369,34 @@ def test_ghost_batch_norm_is_what_the_loop_trains_with(digits_dir, tmp_path, gho
     for chunk in chunks:
         running = 0.9 * running + 0.1 * chunk.mean(dim=(0, 2, 3)).numpy()
     np.testing.assert_allclose(trained.double().numpy(), running, rtol=1e-5, atol=1e-6)
+
+
+def test_saved_predictions_reproduce_the_reported_metrics(digits_dir, tmp_path):
+    """The predictions parquet alone gives back the reported error and per-class counts."""
+    from sklearn.metrics import precision_recall_fscore_support
+
+    plan = make_plan(
+        digits_dir, tmp_path / "s", max_train_steps=30, eval_every_steps=15, eval_batch_size=100
+    )  # 270 rows: the last eval batch is padded
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+    log = read_log(plan)
+    val_ids = pq.read_table(str(digits_dir / "validation")).column("example_id").to_numpy()
+    for row in log:
+        preds = pq.read_table(plan.predictions_uri("validation", row["step"])).to_pandas()
+        assert sorted(preds["example_id"]) == sorted(val_ids)
+        assert (preds["weight"] == 1).all() and (preds["step"] == row["step"]).all()
+        assert (preds["split"] == "validation").all()
+        error = float((preds["prediction"] != preds["label"]).mean())
+        assert row["validation/error"] == pytest.approx(error, abs=1e-12)
+        assert row["validation/count"] == len(val_ids)
+        precision, recall, _, support = precision_recall_fscore_support(
+            preds["label"], preds["prediction"], labels=list(range(10)), zero_division=np.nan
+        )
+        for c, report in enumerate(row["validation/per_class"]):
+            assert report["support"] == support[c]
+            assert report["recall"] == pytest.approx(recall[c])
+            if not np.isnan(precision[c]):
+                assert report["precision"] == pytest.approx(precision[c])
+            low, high = report["recall_interval"]
+            assert low <= report["recall"] <= high

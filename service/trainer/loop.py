@@ -21,6 +21,9 @@ from service.data import files
 from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches
 from service.data.sharding import row_ranges, train_shard
+from service.evaluation import predictions as prediction_files
+from service.evaluation.predictions import PredictionLog
+from service.evaluation.run import evaluate
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost
 from service.schedules import lr_factor
@@ -67,25 +70,6 @@ def gather_rng_states() -> list[torch.Tensor]:
     states = [None] * dist.get_world_size()
     dist.all_gather_object(states, mine)
     return states
-
-
-def evaluate(model: nn.Module, workload, batches, device) -> tuple[dict[str, float], int]:
-    """Per-example metrics summed over this rank's examples, then over all ranks."""
-    model.eval()
-    sums: dict[str, float] = {}
-    count = 0
-    with torch.no_grad():
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            per_example = workload.metrics(workload.forward(model, batch), batch)
-            for name, values in per_example.items():
-                sums[name] = sums.get(name, 0.0) + float(values.double().sum())
-            count += len(batch["label"])
-    model.train()
-    names = workload.metric_names
-    totals = all_reduce_sum([sums.get(n, 0.0) for n in names] + [count], device)
-    total_count = int(totals[-1])
-    return {n: totals[i] / max(total_count, 1) for i, n in enumerate(names)}, total_count
 
 
 def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> dict:
@@ -187,14 +171,25 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             reporter.report(row, None)
             break
         sync_batchnorm_stats(model)
-        val_metrics, _ = evaluate(
-            model, workload, eval_batches(workload, val_ranges, eval_local_batch), device
+        predictions = PredictionLog()
+        val = evaluate(
+            model,
+            workload,
+            eval_batches(workload, val_ranges, eval_local_batch),
+            eval_local_batch,
+            device,
+            predictions,
         )
-        row.update({f"validation/{k}": v for k, v in val_metrics.items()})
+        rows = predictions.gather()
+        rank0.run(write_predictions, plan.predictions_uri("validation", step), rows, "validation", step)
+        per_class_report = val.pop("per_class", None)
+        row.update({f"validation/{k}": v for k, v in val.items()})
+        if per_class_report is not None:
+            row["validation/per_class"] = per_class_report
         history.append(row)
         best = best_row(history, tr.metric, tr.mode)
-        report = {
-            **row,
+        report = {  # flat scalars only: per-class details stay in the metrics log
+            **{k: v for k, v in row.items() if k != "validation/per_class"},
             "status": "running" if step < max_steps else "finished",
             "best_step": best["step"],
             "best_metric": best[tr.metric],
@@ -226,10 +221,18 @@ def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:
 
 def write_metrics_log(plan: TrialPlan, history: list[dict]) -> None:
     """The per-evaluation metrics log, rewritten whole (it is a few rows per trial)."""
-    text = "".join(json.dumps({k: finite_or_none(v) for k, v in r.items()}) + "\n" for r in history)
+    text = "".join(json.dumps(finite_or_none(r)) + "\n" for r in history)
     storage.write_bytes_atomic(plan.metrics_uri, text.encode())
 
 
 def finite_or_none(v):
     """Strict JSON has no NaN or Infinity: a non-finite number is logged as null."""
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [finite_or_none(x) for x in v]
     return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def write_predictions(uri: str, rows: dict, split: str, step: int) -> None:
+    prediction_files.write(uri, rows, split, step)
