@@ -44,6 +44,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--storage", help="storage root URI (default: the study file's)")
     c.set_defaults(func=cmd_status)
 
+    c = sub.add_parser("eval", help="evaluate a saved checkpoint on a whole split, on the cluster")
+    c.add_argument("checkpoint_uri")
+    c.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    c.set_defaults(func=cmd_eval)
+
     c = sub.add_parser("data", help="write a built-in dataset as parquet shards")
     c.add_argument("dataset", choices=["digits"])
     c.add_argument("uri")
@@ -137,6 +142,38 @@ def cmd_status(args) -> int:
             raise StudyNotFound(f"{name}: no running coordinator and no trials under {study_uri}")
         print(f"study {name}: stored at {study_uri}")
     print_table(rows, metric, mode)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    from service import storage
+    from service.evaluation.offline import locate, output_uri, split_uri, stored_study
+    from service.launch import run_offline_eval
+
+    uri = storage.absolute(args.checkpoint_uri)
+    if not storage.exists(storage.join(uri, "state.pt")):
+        raise StudyNotFound(f"{args.checkpoint_uri}: no checkpoint there (no state.pt)")
+    study = stored_study(locate(uri)[0])
+    split_uri(study, args.split)  # the split exists
+    connect_ray()
+    run_offline_eval(uri, args.split, study)
+    out = output_uri(uri, args.split)
+    metrics = json.loads(storage.read_bytes(storage.join(out, "metrics.json")))
+    per_class = metrics.pop("per_class", None)
+    for k in sorted(metrics):
+        print(f"{args.split}/{k}: {_cell(metrics[k])}")
+    if per_class:
+        print("class  support  precision [95% CI]        recall [95% CI]     one example moves recall by")
+        for c in per_class:
+            p_lo, p_hi = c["precision_interval"]
+            r_lo, r_hi = c["recall_interval"]
+            print(
+                f"{c['class']:>5}  {c['support']:>7}  {_cell(c['precision']):>6} "
+                f"[{p_lo:.3f}, {p_hi:.3f}]  {_cell(c['recall']):>6} [{r_lo:.3f}, {r_hi:.3f}]"
+            )
+    print(f"metrics and predictions: {out}")
     return 0
 
 

@@ -4,6 +4,7 @@ hosts x workers, and each Train worker runs the plain-PyTorch loop in `trainer.l
 from __future__ import annotations
 
 import json
+import uuid
 
 import ray
 import ray.train
@@ -160,3 +161,36 @@ def _uri(study: Study, path: str) -> str:
 def run_single(plan: TrialPlan):
     """One trial as a plain Ray Train run, outside Tune."""
     return trainer_for(plan, in_tune=False).fit()
+
+
+def eval_worker(config: dict) -> None:
+    from service.evaluation.offline import evaluate_checkpoint
+
+    evaluate_checkpoint(
+        config["checkpoint_uri"], config["split"], worker_topology(), ray.train.torch.get_device()
+    )
+
+
+def run_offline_eval(checkpoint_uri: str, split: str, study: Study) -> None:
+    """`playbook eval`: the checkpoint on the whole split, over the study's worker layout."""
+    from service.evaluation.offline import locate
+
+    scaling = study.scaling
+    fs, path = storage.ray_storage(storage.join(study.study_uri, "evals"))
+    _, trial = locate(checkpoint_uri)
+    TorchTrainer(
+        eval_worker,
+        train_loop_config={"checkpoint_uri": checkpoint_uri, "split": split},
+        scaling_config=ScalingConfig(
+            num_workers=scaling.world_size,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker={"CPU": scaling.cpus_per_worker, **({"GPU": 1} if scaling.use_gpu else {})},
+            placement_strategy=placement_strategy(scaling),
+        ),
+        run_config=RunConfig(
+            name=f"eval-{trial}-{split}-{uuid.uuid4().hex[:6]}",
+            storage_path=path,
+            storage_filesystem=fs,
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    ).fit()

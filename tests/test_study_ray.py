@@ -134,3 +134,33 @@ def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
     assert {r["trial_name"]: r["best_metric"] for r in again} == {
         r["trial_name"]: r["best_metric"] for r in rows
     }
+
+
+def test_offline_eval_of_the_best_checkpoint_on_the_test_split(finished_study, digits_dir):
+    from service.evaluation.offline import output_uri
+    from service.launch import run_offline_eval
+
+    study, rows = finished_study
+    best = min(rows, key=lambda r: r["best_metric"])
+    run_offline_eval(best["best_checkpoint"], "test", study)
+    out = output_uri(best["best_checkpoint"], "test")
+    with open(os.path.join(out, "metrics.json")) as f:
+        metrics = json.load(f)
+
+    state = checkpoint.load(best["best_checkpoint"])
+    model = workloads.get("digits").build_model(state.hparams)
+    model.load_state_dict(state.model)
+    model.eval()
+    table = pq.read_table(str(digits_dir / "test"))
+    x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
+    y = table.column("label").to_numpy()
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(x).view(-1, 1, 8, 8)).argmax(1).numpy()
+    assert metrics["count"] == len(y)
+    assert metrics["error"] == pytest.approx(float((predicted != y).mean()), abs=1e-12)
+    assert [c["support"] for c in metrics["per_class"]] == np.bincount(y, minlength=10).tolist()
+
+    preds = pq.read_table(os.path.join(out, "predictions.parquet")).to_pandas()
+    assert sorted(preds["example_id"]) == sorted(table.column("example_id").to_numpy())
+    assert float((preds["prediction"] != preds["label"]).mean()) == pytest.approx(metrics["error"])
+    assert set(preds["split"]) == {"test"} and set(preds["step"]) == {state.step}

@@ -24,6 +24,8 @@ class TrialState:
     """torch CPU RNG state of each world rank, indexed by world rank."""
     history: list = field(default_factory=list)
     """One dict of metrics per evaluation so far."""
+    hparams: dict = field(default_factory=dict)
+    """The trial's hyperparameters (so a checkpoint alone rebuilds its model)."""
 
 
 def save(state: TrialState, directory: str, metrics: dict) -> None:
@@ -39,8 +41,12 @@ def save(state: TrialState, directory: str, metrics: dict) -> None:
 
 
 def load(directory: str) -> TrialState:
-    payload = torch.load(os.path.join(directory, STATE_FILE), weights_only=True, map_location="cpu")
+    return load_file(os.path.join(directory, STATE_FILE))
+
+
+def load_file(path_or_buffer) -> TrialState:
+    payload = torch.load(path_or_buffer, weights_only=True, map_location="cpu")
     version = payload.pop("format", None)
     if version != FORMAT_VERSION:
-        raise ValueError(f"{directory}: checkpoint format {version}, expected {FORMAT_VERSION}")
+        raise ValueError(f"checkpoint format {version}, expected {FORMAT_VERSION}")
     return TrialState(**payload)

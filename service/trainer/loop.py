@@ -195,7 +195,9 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             "best_metric": best[tr.metric],
         }
         rng_states = gather_rng_states()
-        state = TrialState(step, model.state_dict(), optimizer.state_dict(), rng_states, history)
+        state = TrialState(
+            step, model.state_dict(), optimizer.state_dict(), rng_states, history, dict(plan.hparams)
+        )
         with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
             saved = rank0.run(save_checkpoint, state, tmp, report)
             rank0.run(write_metrics_log, plan, history)

@@ -1,0 +1,84 @@
+"""`playbook eval CHECKPOINT_URI --split test`: a saved checkpoint evaluated on a whole split,
+sharded by rows over every rank of a Ray Train worker group, with metrics and per-example
+predictions written next to the checkpoint's trial (plain PyTorch; the Ray edge is in launch)."""
+
+from __future__ import annotations
+
+import io
+import posixpath
+
+import torch
+
+from service import spec, storage, workloads
+from service.data.files import list_files
+from service.data.loader import eval_batches
+from service.data.sharding import row_ranges
+from service.errors import DataError, StorageError
+from service.evaluation import predictions as prediction_files
+from service.evaluation.predictions import PredictionLog
+from service.evaluation.run import evaluate
+from service.nn.ghost_batchnorm import convert_to_ghost
+from service.topology import Topology
+from service.trainer import checkpoint
+from service.trainer.rank0 import Rank0
+
+
+def locate(checkpoint_uri: str) -> tuple[str, str]:
+    """`<study>/trials/<trial>/checkpoint_*` -> (study URI, trial name)."""
+    trial_uri = posixpath.dirname(checkpoint_uri.rstrip("/"))
+    trials_uri = posixpath.dirname(trial_uri)
+    if posixpath.basename(trials_uri) != "trials":
+        raise StorageError(
+            f"{checkpoint_uri}: not a trial checkpoint (expected <study>/trials/<trial>/checkpoint_...)"
+        )
+    return posixpath.dirname(trials_uri), posixpath.basename(trial_uri)
+
+
+def stored_study(study_uri: str) -> spec.Study:
+    uri = storage.join(study_uri, "study.yaml")
+    if not storage.exists(uri):
+        raise StorageError(f"{uri}: no stored study file next to the checkpoint")
+    return spec.load_text(storage.read_bytes(uri).decode(), source=uri)
+
+
+def output_uri(checkpoint_uri: str, split: str) -> str:
+    study_uri, trial = locate(checkpoint_uri)
+    name = posixpath.basename(checkpoint_uri.rstrip("/"))
+    return storage.join(study_uri, "trials", trial, "evals", f"{split}-{name}")
+
+
+def split_uri(study: spec.Study, split: str) -> str:
+    uri = getattr(study.data, split, None)
+    if not uri:
+        raise DataError(f"data.{split}: the study has no {split} split")
+    return uri
+
+
+def evaluate_checkpoint(checkpoint_uri: str, split: str, topo: Topology, device=None) -> dict:
+    """Run on every rank; rank 0 writes `metrics.json` and `predictions.parquet` and every rank
+    returns the metrics."""
+    device = device or torch.device("cpu")
+    study_uri, _ = locate(checkpoint_uri)
+    study = stored_study(study_uri)
+    state = checkpoint.load_file(
+        io.BytesIO(storage.read_bytes(storage.join(checkpoint_uri, checkpoint.STATE_FILE)))
+    )
+    workload = workloads.get(study.workload)
+    model = workload.build_model(state.hparams)
+    if study.training.ghost_batch_norm:
+        convert_to_ghost(model, study.training.virtual_batch_size)
+    model.load_state_dict(state.model)
+    model.to(device)
+    batch_size = study.training.resolved_eval_batch_size // study.scaling.world_size
+    ranges = row_ranges(list_files(split_uri(study, split)), topo.world_rank, topo.world_size)
+    log = PredictionLog()
+    metrics = evaluate(model, workload, eval_batches(workload, ranges, batch_size), batch_size, device, log)
+    metrics.update(
+        {"checkpoint": checkpoint_uri, "split": split, "step": state.step, "world_size": topo.world_size}
+    )
+    rows = log.gather()
+    out = output_uri(checkpoint_uri, split)
+    rank0 = Rank0(topo)
+    rank0.run(prediction_files.write, storage.join(out, "predictions.parquet"), rows, split, state.step)
+    rank0.run(storage.write_json, storage.join(out, "metrics.json"), metrics)
+    return metrics
