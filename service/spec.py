@@ -87,7 +87,17 @@ class Training:
     eval_every_steps: int
     """Evaluate on the validation set (and checkpoint) every this many steps and at the end."""
     eval_batch_size: int | None = None
-    """Global evaluation batch size; defaults to `batch_size` and may not be smaller."""
+    """Global evaluation batch size; defaults to `batch_size` and may not be smaller (evaluation
+    needs no activations for backprop, so it fits at least the training batch) unless
+    `eval_batch_size_reason` says why."""
+    eval_batch_size_reason: str | None = None
+    """Why `eval_batch_size` is smaller than `batch_size` (allows it, with a warning in the log)."""
+    validation_sample_size: int | None = None
+    """Evaluate periodically on a fixed random sample of this many validation examples (the same
+    sample for the whole study); the full set is evaluated at the end and every
+    `full_eval_every_steps`, and the sample's bias is checked there."""
+    full_eval_every_steps: int | None = None
+    """With `validation_sample_size`: also evaluate the full validation set this often."""
     num_checkpoints_to_keep: int = 3
     """Keep the N best checkpoints by `metric` (plus the latest, for resuming)."""
     metric: str = "validation/error"
@@ -112,11 +122,15 @@ class Training:
         yield from _non_negative(self, "seed")
         if self.eval_batch_size is not None:
             yield from _positive(self, "eval_batch_size")
-            if self.eval_batch_size < self.batch_size:
+            if self.eval_batch_size < self.batch_size and not self.eval_batch_size_reason:
                 yield (
                     "eval_batch_size",
-                    (f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size})"),
+                    f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size}); "
+                    "set eval_batch_size_reason to allow it",
                 )
+        yield from _positive(self, "validation_sample_size", "full_eval_every_steps")
+        if self.full_eval_every_steps is not None and self.validation_sample_size is None:
+            yield "full_eval_every_steps", "only applies with validation_sample_size"
         if self.eval_every_steps > self.max_train_steps:
             yield (
                 "eval_every_steps",

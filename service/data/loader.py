@@ -51,11 +51,16 @@ class TrainStream:
         return {k: v[index] for k, v in self.tensors.items()}
 
 
-def eval_batches(workload: Workload, ranges: list[RowRange], batch_size: int) -> Iterator[dict]:
-    """This rank's eval examples in file order, `batch_size` at a time (the last may be short)."""
+def eval_batches(
+    workload: Workload, ranges: list[RowRange], batch_size: int, keep: torch.Tensor | None = None
+) -> Iterator[dict]:
+    """This rank's eval examples in file order, `batch_size` at a time (the last may be short);
+    with `keep`, only those positions of the shard (a fixed eval sample)."""
     if not ranges:
         return
     tensors = workload.to_batch(read_ranges(ranges, workload.columns))
+    if keep is not None:
+        tensors = {k: v[keep] for k, v in tensors.items()}
     n = len(tensors["label"])
     for start in range(0, n, batch_size):
         yield {k: v[start : start + batch_size] for k, v in tensors.items()}

@@ -32,14 +32,11 @@ def evaluate(
         for batch in batches:
             batch = {k: v.to(device) for k, v in pad_batch(batch, batch_size).items()}
             outputs = workload.forward(model, batch)
-            sums.add(
-                workload.metrics(outputs, batch),
-                batch["weight"],
-                batch["label"],
-                outputs.argmax(dim=1) if num_classes else None,
-            )
+            per_example = workload.metrics(outputs, batch)
+            predicted = outputs.argmax(dim=1) if num_classes else None
+            sums.add(per_example, batch["weight"], batch["label"], predicted)
             if predictions is not None:
-                predictions.add(batch, outputs)
+                predictions.add(batch, outputs, per_example)
     model.train(was_training)
     sums.all_reduce()
     result = sums.result()

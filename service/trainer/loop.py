@@ -24,6 +24,7 @@ from service.data.sharding import row_ranges, train_shard
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
+from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost
 from service.schedules import lr_factor
@@ -107,8 +108,17 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         local_batch,
         my_data_seed,
     )
-    val_ranges = row_ranges(list_files(study.data.validation), topo.world_rank, topo.world_size)
+    val_files = list_files(study.data.validation)
+    val_ranges = row_ranges(val_files, topo.world_rank, topo.world_size)
+    sample = plan_sample(sum(f.num_rows for f in val_files), tr, topo.world_rank, topo.world_size)
     eval_local_batch = tr.resolved_eval_batch_size // topo.world_size
+    if tr.resolved_eval_batch_size < tr.batch_size:
+        rank0.run(
+            print,
+            f"[{plan.trial_name}] warning: eval_batch_size {tr.eval_batch_size} < "
+            f"batch_size {tr.batch_size} ({tr.eval_batch_size_reason})",
+            flush=True,
+        )
     records = provenance.gather(
         provenance.rank_record(
             topo,
@@ -171,25 +181,15 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             reporter.report(row, None)
             break
         sync_batchnorm_stats(model)
-        predictions = PredictionLog()
-        val = evaluate(
-            model,
-            workload,
-            eval_batches(workload, val_ranges, eval_local_batch),
-            eval_local_batch,
-            device,
-            predictions,
+        row.update(
+            run_evals(
+                plan, workload, model, topo, val_ranges, sample, eval_local_batch, step, max_steps, device
+            )
         )
-        rows = predictions.gather()
-        rank0.run(write_predictions, plan.predictions_uri("validation", step), rows, "validation", step)
-        per_class_report = val.pop("per_class", None)
-        row.update({f"validation/{k}": v for k, v in val.items()})
-        if per_class_report is not None:
-            row["validation/per_class"] = per_class_report
         history.append(row)
         best = best_row(history, tr.metric, tr.mode)
         report = {  # flat scalars only: per-class details stay in the metrics log
-            **{k: v for k, v in row.items() if k != "validation/per_class"},
+            **{k: v for k, v in row.items() if not k.endswith("/per_class")},
             "status": "running" if step < max_steps else "finished",
             "best_step": best["step"],
             "best_metric": best[tr.metric],
@@ -214,6 +214,41 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         "best_step": best["step"] if best else None,
         "best_metric": best[tr.metric] if best else None,
     }
+
+
+def run_evals(plan, workload, model, topo, val_ranges, sample, batch_size, step, max_steps, device) -> dict:
+    """The evaluations of one eval point: the full validation set, or its fixed sample plus
+    (at the end and every full_eval_every_steps) the full set and the sample's bias."""
+    tr, rank0 = plan.study.training, Rank0(topo)
+    metric_name = tr.metric.split("/", 1)[1]
+
+    def one(keep, split: str, prefix: str) -> tuple[dict, dict | None]:
+        log = PredictionLog(workload.metric_names)
+        val = evaluate(
+            model, workload, eval_batches(workload, val_ranges, batch_size, keep), batch_size, device, log
+        )
+        rows = log.gather()
+        rank0.run(write_predictions, plan.predictions_uri(split, step), rows, split, step)
+        return {f"{prefix}/{k}": v for k, v in val.items()}, rows
+
+    if sample is None:
+        return one(None, "validation", "validation")[0]
+    fields, _ = one(sample.local_keep, "validation-sample", "validation")
+    if is_full_eval(step, max_steps, tr):
+        full, rows = one(None, "validation", "validation_full")
+        fields.update(full)
+        if rows is not None:  # rank 0
+            bias = bias_fields(rows, sample, metric_name)
+            fields.update({f"validation_full/{k}": v for k, v in bias.items()})
+            if bias["sample_biased"]:
+                print(
+                    f"[{plan.trial_name}] warning: the validation sample is biased at step {step}: "
+                    f"{tr.metric} sample - full = {bias['sample_gap']:+.4g}, more than sampling "
+                    f"noise explains (95% CI [{bias['sample_gap_ci_low']:+.4g}, "
+                    f"{bias['sample_gap_ci_high']:+.4g}])",
+                    flush=True,
+                )
+    return fields
 
 
 def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:
