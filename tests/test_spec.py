@@ -501,5 +501,6 @@ def test_a_changed_study_under_an_existing_name_is_refused(tmp_path):
     storage.write_bytes_atomic(storage.join(study.study_uri, "study.yaml"), spec.dump_yaml(study).encode())
     check_same_study(study)  # the same study: a rerun resumes it
     changed = dataclasses.replace(study, description="something else")
-    with pytest.raises(SpecError, match=r"^name: study 'digits-demo' already exists .* different description"):
+    expected = r"^name: study .digits-demo. already exists .* different description"
+    with pytest.raises(SpecError, match=expected):
         check_same_study(changed)
