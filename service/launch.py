@@ -78,20 +78,25 @@ def placement_strategy(scaling) -> str:
     return "PACK"
 
 
+def scaling_config(scaling) -> ScalingConfig:
+    """hosts x workers per host; one CPU share (and a GPU when asked) per worker."""
+    gpu = {"GPU": 1} if scaling.use_gpu else {}
+    return ScalingConfig(
+        num_workers=scaling.world_size,
+        use_gpu=scaling.use_gpu,
+        resources_per_worker={"CPU": scaling.cpus_per_worker, **gpu},
+        placement_strategy=placement_strategy(scaling),
+    )
+
+
 def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
     study = plan.study
     scaling = study.scaling
     fs, trials_path = storage.ray_storage(storage.join(study.study_uri, "trials"))
-    resources = {"CPU": scaling.cpus_per_worker}
     return TorchTrainer(
         train_worker,
         train_loop_config={"plan": plan},
-        scaling_config=ScalingConfig(
-            num_workers=scaling.world_size,
-            use_gpu=scaling.use_gpu,
-            resources_per_worker={**resources, **({"GPU": 1} if scaling.use_gpu else {})},
-            placement_strategy=placement_strategy(scaling),
-        ),
+        scaling_config=scaling_config(scaling),
         run_config=RunConfig(
             name=plan.trial_name,
             storage_path=trials_path,
@@ -181,12 +186,7 @@ def run_offline_eval(checkpoint_uri: str, split: str, study: Study) -> None:
     TorchTrainer(
         eval_worker,
         train_loop_config={"checkpoint_uri": checkpoint_uri, "split": split},
-        scaling_config=ScalingConfig(
-            num_workers=scaling.world_size,
-            use_gpu=scaling.use_gpu,
-            resources_per_worker={"CPU": scaling.cpus_per_worker, **({"GPU": 1} if scaling.use_gpu else {})},
-            placement_strategy=placement_strategy(scaling),
-        ),
+        scaling_config=scaling_config(scaling),
         run_config=RunConfig(
             name=f"eval-{trial}-{split}-{uuid.uuid4().hex[:6]}",
             storage_path=path,

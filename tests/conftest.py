@@ -101,3 +101,22 @@ def session_pids(sid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
     return pids
+
+
+def digits_logits(state, split_dir) -> tuple:
+    """(logits as float64 numpy, labels) of a checkpoint's digits model over a whole split,
+    read with pyarrow directly: an evaluation independent of the service's eval path."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    from service import workloads
+
+    model = workloads.get("digits").build_model(state.hparams or {"width": 4})
+    model.load_state_dict(state.model)
+    model.eval()
+    table = pq.read_table(str(split_dir))
+    x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x).view(-1, 1, 8, 8)).double().numpy()
+    return logits, table.column("label").to_numpy()

@@ -18,6 +18,13 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 NUM_HOSTS = 3
 
 
+def one_trial(study, steps: int) -> TrialPlan:
+    hparams = {"learning_rate": 0.1, "momentum": 0.9, "width": 4}
+    return TrialPlan(
+        study=study, trial_name="explore-0000", round_name="explore", hparams=hparams, max_train_steps=steps
+    )
+
+
 @pytest.fixture(scope="module")
 def three_node_cluster(tmp_path_factory):
     import ray
@@ -53,13 +60,7 @@ def two_runs(three_node_cluster, digits_dir, tmp_path_factory):
             scaling={"num_hosts": NUM_HOSTS, "workers_per_host": 1},
             training={"batch_size": 30, "eval_batch_size": 60, "max_train_steps": 20, "eval_every_steps": 10},
         )
-        plan = TrialPlan(
-            study=study,
-            trial_name="explore-0000",
-            round_name="explore",
-            hparams={"learning_rate": 0.1, "momentum": 0.9, "width": 4},
-            max_train_steps=20,
-        )
+        plan = one_trial(study, 20)
         before = set(os.listdir(audit))
         launch.run_single(plan)
         with open(os.path.join(plan.trial_uri, "topology.json")) as f:
@@ -136,13 +137,7 @@ def test_two_hosts_of_two_workers_read_disjoint_host_shards(three_node_cluster, 
         scaling={"num_hosts": 2, "workers_per_host": 2},
         training={"batch_size": 32, "eval_batch_size": 64, "max_train_steps": 10, "eval_every_steps": 10},
     )
-    plan = TrialPlan(
-        study=study,
-        trial_name="explore-0000",
-        round_name="explore",
-        hparams={"learning_rate": 0.1, "momentum": 0.9, "width": 4},
-        max_train_steps=10,
-    )
+    plan = one_trial(study, 10)
     launch.run_single(plan)
     with open(plan.topology_uri) as f:
         ranks = json.load(f)["ranks"]

@@ -12,11 +12,9 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 
-from service import workloads
 from service.trainer import checkpoint
-from tests.conftest import make_study
+from tests.conftest import digits_logits, make_study
 
 pytestmark = pytest.mark.ray
 MAX_STEPS, EVERY, KEEP = 100, 20, 2
@@ -94,15 +92,7 @@ def test_best_checkpoint_reproduces_its_metric_independently(finished_study, dig
         assert ckpt_dir == kept_checkpoints(study, row["trial_name"])[row["best_step"]]
         state = checkpoint.load(ckpt_dir)
         assert state.step == row["best_step"]
-        workload = workloads.get("digits")
-        model = workload.build_model({"width": 4})
-        model.load_state_dict(state.model)
-        model.eval()
-        table = pq.read_table(str(digits_dir / "validation"))
-        x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
-        y = table.column("label").to_numpy()
-        with torch.no_grad():
-            logits = model(torch.from_numpy(x).view(-1, 1, 8, 8)).double().numpy()
+        logits, y = digits_logits(state, digits_dir / "validation")
         logp = logits - logits.max(1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
         loss = -logp[np.arange(len(y)), y].mean()
@@ -148,14 +138,9 @@ def test_offline_eval_of_the_best_checkpoint_on_the_test_split(finished_study, d
         metrics = json.load(f)
 
     state = checkpoint.load(best["best_checkpoint"])
-    model = workloads.get("digits").build_model(state.hparams)
-    model.load_state_dict(state.model)
-    model.eval()
+    logits, y = digits_logits(state, digits_dir / "test")
+    predicted = logits.argmax(1)
     table = pq.read_table(str(digits_dir / "test"))
-    x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
-    y = table.column("label").to_numpy()
-    with torch.no_grad():
-        predicted = model(torch.from_numpy(x).view(-1, 1, 8, 8)).argmax(1).numpy()
     assert metrics["count"] == len(y)
     assert metrics["error"] == pytest.approx(float((predicted != y).mean()), abs=1e-12)
     assert [c["support"] for c in metrics["per_class"]] == np.bincount(y, minlength=10).tolist()
