@@ -11,7 +11,7 @@ from ray import tune
 
 from service import launch, spec, storage, tracking
 from service.errors import PlaybookError
-from service.search import quasi_random_configs
+from service.rounds import plan_round
 from service.spec import Round, Study
 from service.tracking import TrialTable
 
@@ -24,15 +24,6 @@ TRIAL_DRIVER_CPU = 0.01
 
 def actor_name(study_name: str) -> str:
     return f"study-{study_name}"
-
-
-def plan_round(study: Study, rnd: Round) -> list[dict]:
-    """The Tune configs of a quasi-random round: one per trial, named `<round>-<index>`."""
-    steps = rnd.max_train_steps or study.training.max_train_steps
-    return [
-        {"trial_name": f"{rnd.name}-{i:04d}", "round": rnd.name, "hparams": hp, "max_train_steps": steps}
-        for i, hp in enumerate(quasi_random_configs(study.search, rnd.num_trials, rnd.seed))
-    ]
 
 
 class ProgressCallback(tune.Callback):
@@ -111,7 +102,7 @@ class Coordinator:
         return self.table.snapshot()
 
     def _run_round(self, rnd: Round) -> None:
-        configs = plan_round(self.study, rnd)
+        configs = plan_round(self.study, rnd, self.table.snapshot())
         for c in configs:
             if c["trial_name"] not in self.table.rows:
                 self.table.update(
@@ -120,6 +111,7 @@ class Coordinator:
                     status="PENDING",
                     max_train_steps=c["max_train_steps"],
                     **{f"hp/{k}": v for k, v in c["hparams"].items()},
+                    **{k: c[k] for k in ("seed", "extended_from", "schedule_origin") if k in c},
                 )
         self.table.save()
         fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))

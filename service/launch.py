@@ -14,7 +14,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig
 from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from service import storage
+from service import spec, storage
 from service.spec import Study
 from service.topology import Topology, host_ranks
 from service.trainer import checkpoint, loop
@@ -125,6 +125,8 @@ def tune_trial(config: dict, study: Study) -> None:
         round_name=c["round"],
         hparams=c["hparams"],
         max_train_steps=c["max_train_steps"],
+        seed=c.get("seed"),
+        schedule=spec.schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
     )
     result = trainer_for(plan, in_tune=True).fit()
     ray.tune.report({**summarize(plan, result), "summary": True})

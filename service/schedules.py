@@ -7,6 +7,7 @@ in a checkpoint is the step alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from service.spec import Schedule
@@ -29,3 +30,19 @@ def lr_factor(step: int, max_train_steps: int, schedule: Schedule) -> float:
         return 1.0
     progress = (step - decay_start) / decay_steps
     return 1.0 - (1.0 - final) * min(progress, 1.0)
+
+
+def extend(schedule: Schedule, old_max_train_steps: int, new_max_train_steps: int) -> Schedule:
+    """The playbook's round-2 rule for training longer at the same configuration.
+
+    linear decay: keep the decay phase's length (in steps) and lengthen the constant high-LR
+    phase before it, so the new run spends the extra steps at the base learning rate. cosine:
+    keep the base LR and stretch the curve over the new max_train_steps (the schedule is
+    defined relative to max_train_steps, so it is unchanged). constant: unchanged. Warmup stays
+    the same number of steps."""
+    if schedule.kind != "linear":
+        return schedule
+    decay_steps = schedule.decay_steps or (old_max_train_steps - schedule.warmup_steps)
+    if schedule.warmup_steps + decay_steps > new_max_train_steps:
+        raise ValueError(f"cannot shorten a linear decay of {decay_steps} steps into {new_max_train_steps}")
+    return dataclasses.replace(schedule, decay_steps=decay_steps)

@@ -209,19 +209,28 @@ class Round:
     """Round name, used in trial names (`<round>-<index>`)."""
     num_trials: int
     """Trials in this round."""
-    kind: Literal["quasi_random"] = "quasi_random"
-    """How trials are planned: quasi-random (scrambled Halton) points over the search space."""
+    kind: Literal["quasi_random", "extend"] = "quasi_random"
+    """How trials are planned. `quasi_random`: scrambled Halton points over the search space
+    (exploration). `extend` (the playbook's round 2): the best configuration of `from_round`
+    rerun `num_trials` times (seeds training.seed, +1, ...) for longer, its learning-rate
+    schedule extended by the playbook's rules."""
     max_concurrent_trials: int = 0
     """At most this many trials at once; 0 = as many as the cluster's resources allow."""
     max_train_steps: int | None = None
     """Override of `training.max_train_steps` for this round."""
     seed: int = 0
     """Seed of the quasi-random sequence (its scrambling)."""
+    from_round: str | None = None
+    """extend only: the round whose best trial is extended (default: the previous round)."""
+    step_multiplier: float = 2.0
+    """extend only: max_train_steps of the source round times this (unless max_train_steps)."""
 
     def errors(self):
         if not NAME_RE.match(self.name):
             yield "name", f"must match {NAME_RE.pattern} (got {self.name!r})"
-        yield from _positive(self, "num_trials")
+        yield from _positive(self, "num_trials", "step_multiplier")
+        if self.kind != "extend" and self.from_round is not None:
+            yield "from_round", "only applies to kind: extend"
         yield from _non_negative(self, "max_concurrent_trials", "seed")
         if self.max_train_steps is not None and self.max_train_steps <= 0:
             yield "max_train_steps", f"must be > 0 (got {self.max_train_steps})"
@@ -260,6 +269,13 @@ class Study:
         for i, name in enumerate(names):
             if name in names[:i]:
                 yield f"rounds[{i}].name", f"duplicate round name {name!r}"
+        for i, r in enumerate(self.rounds):
+            if r.kind != "extend":
+                continue
+            if i == 0:
+                yield f"rounds[{i}].kind", "the first round cannot extend another round"
+            elif r.from_round is not None and r.from_round not in names[:i]:
+                yield f"rounds[{i}].from_round", f"no earlier round named {r.from_round!r}"
         schedule = self.training.schedule
         for i, r in enumerate(self.rounds):
             if r.max_train_steps is not None and (
@@ -283,6 +299,20 @@ class Study:
             )
         if self.training.resolved_eval_batch_size % self.scaling.world_size:
             yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
+
+    def round_steps(self, rnd: Round) -> int:
+        """max_train_steps of a round: its override, else (extend) the source round's times
+        step_multiplier, else training.max_train_steps."""
+        if rnd.max_train_steps:
+            return rnd.max_train_steps
+        if rnd.kind == "extend":
+            return max(1, round(self.round_steps(self.source_round(rnd)) * rnd.step_multiplier))
+        return self.training.max_train_steps
+
+    def source_round(self, rnd: Round) -> Round:
+        i = self.rounds.index(rnd)
+        name = rnd.from_round or self.rounds[i - 1].name
+        return next(r for r in self.rounds if r.name == name)
 
     @property
     def searched_hparams(self) -> dict[str, HParam]:
@@ -350,6 +380,10 @@ def load_text(text: str, source: str = "<study>") -> Study:
 
 def load_dict(raw: dict) -> Study:
     return _build(Study, raw, "")
+
+
+def schedule_from_dict(raw: dict) -> Schedule:
+    return _build(Schedule, raw, "schedule")
 
 
 def to_dict(study: Study) -> dict:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service import storage
-from service.spec import Study
+from service.spec import Schedule, Study
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,18 @@ class TrialPlan:
     round_name: str
     hparams: dict[str, Any] = field(default_factory=dict)
     max_train_steps: int = 0
+    seed: int | None = None
+    """Overrides training.seed (extend rounds rerun one configuration with several seeds)."""
+    schedule: Schedule | None = None
+    """Overrides training.schedule (the extended schedule of an extend round)."""
+
+    @property
+    def trial_seed(self) -> int:
+        return self.study.training.seed if self.seed is None else self.seed
+
+    @property
+    def lr_schedule(self) -> Schedule:
+        return self.schedule or self.study.training.schedule
 
     @property
     def trial_uri(self) -> str:

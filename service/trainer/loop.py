@@ -82,7 +82,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     max_steps = plan.max_train_steps or tr.max_train_steps
 
     # 1. Model: the same init seed on every rank -> bit-identical initial weights.
-    torch.manual_seed(init_seed(tr.seed))
+    torch.manual_seed(init_seed(plan.trial_seed))
     model = workload.build_model(plan.hparams).to(device)
     if tr.ghost_batch_norm:  # BN statistics over virtual batches, not the per-worker batch
         convert_to_ghost(model, tr.virtual_batch_size)
@@ -90,11 +90,11 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
     # Per-rank randomness (dropout, augmentation) from the per-host data seed.
-    torch.manual_seed(data_seed(tr.seed, topo.host_rank, topo.local_rank))
+    torch.manual_seed(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
 
     # 2. Data: training files sharded over hosts, eval rows over ranks.
     local_batch = tr.batch_size // topo.world_size
-    my_data_seed = data_seed(tr.seed, topo.host_rank, topo.local_rank)
+    my_data_seed = data_seed(plan.trial_seed, topo.host_rank, topo.local_rank)
     opened_before = len(files.OPENED)
     stream = TrainStream(
         workload,
@@ -122,7 +122,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     records = provenance.gather(
         provenance.rank_record(
             topo,
-            init_seed(tr.seed),
+            init_seed(plan.trial_seed),
             my_data_seed,
             init_params,
             sorted(set(files.OPENED[opened_before:])),
@@ -145,7 +145,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     interval_start = time.perf_counter()
     steps_in_interval = 0
     while step < max_steps:
-        lr = base_lr * lr_factor(step, max_steps, tr.schedule)
+        lr = base_lr * lr_factor(step, max_steps, plan.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = {k: v.to(device, non_blocking=True) for k, v in stream.batch(step).items()}
