@@ -30,9 +30,13 @@ def finished_study(ray_cluster, digits_dir, tmp_path_factory):
         storage,
         name="ray-e2e",
         training={"max_train_steps": MAX_STEPS, "eval_every_steps": EVERY, "num_checkpoints_to_keep": KEEP},
+        rounds=[
+            {"name": "explore", "num_trials": 2},
+            {"name": "exploit", "kind": "extend", "num_trials": 1, "step_multiplier": 1.6},
+        ],
     )
     rows = run_study(study)
-    return study, rows
+    return study, [r for r in rows if r["round"] == "explore"], [r for r in rows if r["round"] == "exploit"]
 
 
 def metrics_log(study, trial_name) -> list[dict]:
@@ -52,21 +56,21 @@ def kept_checkpoints(study, trial_name) -> dict[int, str]:
 
 
 def test_every_trial_has_a_finished_row_on_storage(finished_study):
-    study, rows = finished_study
+    study, rows, _ = finished_study
     table = pq.read_table(os.path.join(study.study_uri, "trials.parquet")).to_pylist()
-    assert sorted(r["trial_name"] for r in table) == ["explore-0000", "explore-0001"]
+    assert sorted(r["trial_name"] for r in table) == ["exploit-0000", "explore-0000", "explore-0001"]
     assert os.path.exists(os.path.join(study.study_uri, "trials.csv"))
     assert os.path.exists(os.path.join(study.study_uri, "study.yaml"))
     for row in table:
         assert row["status"] == "FINISHED"
-        assert row["step"] == MAX_STEPS
+        assert row["step"] == (MAX_STEPS if row["round"] == "explore" else 160)
         lr = study.search["learning_rate"]
         assert lr.min <= row["hp/learning_rate"] <= lr.max
         assert row["hp/width"] == 4
 
 
 def test_row_best_metric_is_the_best_evaluation_of_the_log(finished_study):
-    study, rows = finished_study
+    study, rows, _ = finished_study
     for row in rows:
         log = metrics_log(study, row["trial_name"])
         assert [r["step"] for r in log] == list(range(EVERY, MAX_STEPS + 1, EVERY))
@@ -77,7 +81,7 @@ def test_row_best_metric_is_the_best_evaluation_of_the_log(finished_study):
 
 
 def test_only_the_n_best_and_the_latest_checkpoints_are_kept(finished_study):
-    study, rows = finished_study
+    study, rows, _ = finished_study
     for row in rows:
         log = metrics_log(study, row["trial_name"])
         by_loss = sorted(log, key=lambda r: r["validation/loss"])
@@ -86,7 +90,7 @@ def test_only_the_n_best_and_the_latest_checkpoints_are_kept(finished_study):
 
 
 def test_best_checkpoint_reproduces_its_metric_independently(finished_study, digits_dir):
-    study, rows = finished_study
+    study, rows, _ = finished_study
     for row in rows:
         ckpt_dir = row["best_checkpoint"]
         assert ckpt_dir == kept_checkpoints(study, row["trial_name"])[row["best_step"]]
@@ -100,7 +104,7 @@ def test_best_checkpoint_reproduces_its_metric_independently(finished_study, dig
 
 
 def test_status_reads_the_stored_study(finished_study):
-    study, _ = finished_study
+    study, _, _ = finished_study
     out = subprocess.run(
         [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
         capture_output=True,
@@ -116,7 +120,8 @@ def test_status_reads_the_stored_study(finished_study):
 def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
     from service.coordinator import run_study
 
-    study, rows = finished_study
+    study, explore, exploit = finished_study
+    rows = explore + exploit
     before = {r["trial_name"]: kept_checkpoints(study, r["trial_name"]) for r in rows}
     again = run_study(study)
     after = {r["trial_name"]: kept_checkpoints(study, r["trial_name"]) for r in again}
@@ -130,7 +135,7 @@ def test_offline_eval_of_the_best_checkpoint_on_the_test_split(finished_study, d
     from service.evaluation.offline import output_uri
     from service.launch import run_offline_eval
 
-    study, rows = finished_study
+    study, rows, _ = finished_study
     best = min(rows, key=lambda r: r["best_metric"])
     run_offline_eval(best["best_checkpoint"], "test", study)
     out = output_uri(best["best_checkpoint"], "test")
@@ -149,3 +154,19 @@ def test_offline_eval_of_the_best_checkpoint_on_the_test_split(finished_study, d
     assert sorted(preds["example_id"]) == sorted(table.column("example_id").to_numpy())
     assert float((preds["prediction"] != preds["label"]).mean()) == pytest.approx(metrics["error"])
     assert set(preds["split"]) == {"test"} and set(preds["step"]) == {state.step}
+
+
+def test_round_two_extends_round_ones_best_for_longer(finished_study):
+    study, explore, exploit = finished_study
+    best = min(explore, key=lambda r: r["best_metric"])
+    (extended,) = exploit
+    assert extended["extended_from"] == best["trial_name"]
+    hps = [k for k in best if k.startswith("hp/")]
+    assert {k: extended[k] for k in hps} == {k: best[k] for k in hps}
+    log = metrics_log(study, extended["trial_name"])
+    assert log[-1]["step"] == 160 == extended["step"]
+    # cosine keeps the base LR and stretches: the LR at each eval follows the 160-step curve.
+    lr = best["hp/learning_rate"]
+    for r in log:
+        p = (r["step"] - 1 - 5) / (160 - 5)
+        assert r["learning_rate"] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * p)), rel=1e-9)
