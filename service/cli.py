@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import sys
@@ -48,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("checkpoint_uri")
     c.add_argument("--split", default="test", choices=["train", "validation", "test"])
     c.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("find-steps", help="sweep constant learning rates to pick max_train_steps")
+    c.add_argument("study_file")
+    c.add_argument("--storage", help="override the study file's storage URI")
+    c.set_defaults(func=cmd_find_steps)
 
     c = sub.add_parser("data", help="write a built-in dataset as parquet shards")
     c.add_argument("dataset", choices=["digits"])
@@ -145,9 +152,40 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-    import json
+def cmd_find_steps(args) -> int:
+    from service import find_steps, storage
+    from service.checks import check_data, check_same_study, check_storage
+    from service.coordinator import run_study
+    from service.errors import SpecError
+    from service.launch import read_metrics_log
+    from service.trial import TrialPlan
 
+    study = load_study(args.study_file, args.storage)
+    if study.find_steps is None:
+        raise SpecError(
+            "find_steps: required by playbook find-steps (learning_rates, "
+            "max_train_steps, train_loss_threshold)"
+        )
+    sweep = find_steps.sweep_study(study)
+    check_data(sweep)
+    check_storage(sweep)
+    check_same_study(sweep)
+    connect_ray()
+    rows = run_study(sweep)
+    threshold = study.find_steps.train_loss_threshold
+    fits = {}
+    for row in rows:
+        plan = TrialPlan(sweep, row["trial_name"], row["round"])
+        fits[row["hp/learning_rate"]] = find_steps.first_fit_step(read_metrics_log(plan), threshold)
+    found = find_steps.choose(fits, study.find_steps.max_train_steps, threshold)
+    for lr, step in found.fit_steps:
+        print(f"learning_rate={lr:g}: " + (f"fits at step {step}" if step else "does not fit"))
+    storage.write_json(storage.join(sweep.study_uri, "find_steps.json"), dataclasses.asdict(found))
+    print(found.message, file=sys.stdout if found.ok else sys.stderr)
+    return 0 if found.ok else 1
+
+
+def cmd_eval(args) -> int:
     from service import storage
     from service.evaluation.offline import locate, output_uri, split_uri, stored_study
     from service.launch import run_offline_eval

@@ -10,6 +10,7 @@ records where its schedule came from.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from service.errors import PlaybookError
 from service.schedules import extend
@@ -20,6 +21,8 @@ from service.spec import Round, Study
 def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     """Trial configs named `<round>-<index>`; `rows` are the study's trial rows so far."""
     steps = study.round_steps(rnd)
+    if rnd.kind == "grid":
+        return [_config(rnd, i, hp, steps) for i, hp in enumerate(grid_configs(study.search))]
     if rnd.kind == "quasi_random":
         points = quasi_random_configs(study.search, rnd.num_trials, rnd.seed)
         return [_config(rnd, i, hp, steps) for i, hp in enumerate(points)]
@@ -68,3 +71,14 @@ def best_finished(rows: list[dict], round_name: str, mode: str) -> dict | None:
     ]
     sign = 1 if mode == "min" else -1
     return min(done, key=lambda r: (sign * r["best_metric"], r["trial_name"]), default=None)
+
+
+def grid_configs(space: dict) -> list[dict]:
+    """Every combination of the searched choice dimensions' values (fixed ones added)."""
+    searched = [(k, hp.values) for k, hp in space.items() if hp.searched]
+    fixed = {k: hp.value for k, hp in space.items() if not hp.searched}
+    names = [k for k, _ in searched]
+    return [
+        {**dict(zip(names, combo, strict=True)), **fixed}
+        for combo in itertools.product(*(v for _, v in searched))
+    ]

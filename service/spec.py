@@ -209,11 +209,12 @@ class Round:
     """Round name, used in trial names (`<round>-<index>`)."""
     num_trials: int
     """Trials in this round."""
-    kind: Literal["quasi_random", "extend"] = "quasi_random"
+    kind: Literal["quasi_random", "extend", "grid"] = "quasi_random"
     """How trials are planned. `quasi_random`: scrambled Halton points over the search space
     (exploration). `extend` (the playbook's round 2): the best configuration of `from_round`
     rerun `num_trials` times (seeds training.seed, +1, ...) for longer, its learning-rate
-    schedule extended by the playbook's rules."""
+    schedule extended by the playbook's rules. `grid`: every combination of the `values` of
+    the searched choice dimensions (num_trials must equal the number of combinations)."""
     max_concurrent_trials: int = 0
     """At most this many trials at once; 0 = as many as the cluster's resources allow."""
     max_train_steps: int | None = None
@@ -237,6 +238,28 @@ class Round:
 
 
 @dataclass(frozen=True)
+class FindSteps:
+    learning_rates: tuple[float, ...]
+    """The constant learning rates to try (a grid; the fastest must not be at either end)."""
+    max_train_steps: int
+    """Steps per sweep trial (N): a trial that has not fit the training set by then does not."""
+    train_loss_threshold: float
+    """The training set counts as fit once the mean training loss over an eval interval is at
+    or below this."""
+    eval_every_steps: int = 10
+    """How often the training loss is read (the resolution of the answer)."""
+
+    def errors(self):
+        if len(self.learning_rates) < 3:
+            yield "learning_rates", "needs at least 3 values (the best must not be at an edge)"
+        if any(lr <= 0 for lr in self.learning_rates):
+            yield "learning_rates", "must all be > 0"
+        if list(self.learning_rates) != sorted(set(self.learning_rates)):
+            yield "learning_rates", "must be strictly increasing"
+        yield from _positive(self, "max_train_steps", "train_loss_threshold", "eval_every_steps")
+
+
+@dataclass(frozen=True)
 class Study:
     name: str
     """Study name: lower-case letters, digits, '-' and '_'. Names the coordinator and storage."""
@@ -257,6 +280,8 @@ class Study:
     """What this study is for (goes to the tracking table)."""
     scaling: Scaling = field(default_factory=Scaling)
     """Hosts and workers per trial."""
+    find_steps: FindSteps | None = None
+    """Settings of `playbook find-steps` (the max_train_steps finder)."""
 
     def errors(self):
         if not NAME_RE.match(self.name):
@@ -270,6 +295,12 @@ class Study:
             if name in names[:i]:
                 yield f"rounds[{i}].name", f"duplicate round name {name!r}"
         for i, r in enumerate(self.rounds):
+            if r.kind == "grid":
+                dims = self.searched_hparams.values()
+                if any(hp.type != "choice" for hp in dims):
+                    yield f"rounds[{i}].kind", "grid needs every searched hyperparameter to be a choice"
+                elif r.num_trials != math.prod(len(hp.values) for hp in dims):
+                    yield f"rounds[{i}].num_trials", "must equal the number of grid combinations"
             if r.kind != "extend":
                 continue
             if i == 0:
