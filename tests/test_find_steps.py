@@ -72,7 +72,7 @@ def write_study(digits_dir, tmp_path, name, lrs) -> str:
             "learning_rates": lrs,
             "max_train_steps": 150,
             "train_loss_threshold": 0.6,
-            "eval_every_steps": 10,
+            "eval_every_steps": 25,
         },
     )
     raw["search"]["width"] = {"role": "fixed", "value": 8}
