@@ -113,6 +113,7 @@ def cmd_run(args) -> int:
     connect_ray()
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)
+    print_verdicts(study.study_uri)
     failed = [r["trial_name"] for r in rows if r.get("status") == "FAILED"]
     if failed:
         print(f"playbook: {len(failed)} trial(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -149,7 +150,19 @@ def cmd_status(args) -> int:
             raise StudyNotFound(f"{name}: no running coordinator and no trials under {study_uri}")
         print(f"study {name}: stored at {study_uri}")
     print_table(rows, metric, mode)
+    print_verdicts(study_uri)
     return 0
+
+
+def print_verdicts(study_uri: str) -> None:
+    from service import storage
+    from service.analysis.report_lines import log_lines
+
+    uri = storage.join(study_uri, "verdicts.json")
+    if storage.exists(uri):
+        for summary in json.loads(storage.read_bytes(uri)):
+            for line in log_lines(summary):
+                print(line)
 
 
 def cmd_find_steps(args) -> int:

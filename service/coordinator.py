@@ -10,6 +10,8 @@ import ray
 from ray import tune
 
 from service import launch, spec, storage, tracking
+from service.analysis.report_lines import log_lines, round_verdicts
+from service.analysis.verdicts import best_step_position
 from service.errors import PlaybookError
 from service.rounds import plan_round
 from service.spec import Round, Study
@@ -51,6 +53,9 @@ class ProgressCallback(tune.Callback):
                 best_step=result.get("best_step"),
                 best_checkpoint=result.get("best_checkpoint"),
             )
+            if status == "FINISHED" and row.get("best_step") is not None:
+                verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
+                self._table().update(name, step_verdict=verdict.message if verdict.is_warning else "ok")
             print(
                 f"[{name}] {status.lower()}: best {self.metric}={_fmt(row.get('best_metric'))} "
                 f"at step {row.get('best_step')}",
@@ -94,9 +99,15 @@ class Coordinator:
         storage.write_bytes_atomic(
             storage.join(self.study.study_uri, "study.yaml"), spec.dump_yaml(self.study).encode()
         )
+        summaries = []
         for rnd in self.study.rounds:
             self.current_round, self.state = rnd.name, "running"
             self._run_round(rnd)
+            summary = round_verdicts(self.study, rnd.name, self.table.snapshot())
+            summaries.append(summary)
+            storage.write_json(storage.join(self.study.study_uri, "verdicts.json"), summaries)
+            for line in log_lines(summary):
+                print(line, flush=True)
         self.state = "finished"
         self.table.save()
         return self.table.snapshot()

@@ -170,3 +170,33 @@ def test_round_two_extends_round_ones_best_for_longer(finished_study):
     for r in log:
         p = (r["step"] - 1 - 5) / (160 - 5)
         assert r["learning_rate"] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * p)), rel=1e-9)
+
+
+def test_verdicts_are_saved_and_shown(finished_study):
+    from service.analysis.verdicts import best_step_position
+
+    study, explore, exploit = finished_study
+    with open(os.path.join(study.study_uri, "verdicts.json")) as f:
+        summaries = json.load(f)
+    assert [s["round"] for s in summaries] == ["explore", "exploit"]
+    kinds = {v["kind"] for v in summaries[0]["verdicts"]}
+    assert {"best_step_position", "boundary", "infeasible_region", "enough_trials"} <= kinds
+    # With 2 trials the "enough trials?" check must warn (the playbook: too few to trust).
+    enough = next(v for v in summaries[0]["verdicts"] if v["kind"] == "enough_trials")
+    assert enough["severity"] == "warning"
+    for row in explore + exploit:
+        position = row["best_step"] / row["max_train_steps"]
+        expected_ok = 0.1 < position <= 0.75
+        assert (row["step_verdict"] == "ok") == expected_ok
+        assert (
+            best_step_position(row["trial_name"], row["best_step"], row["max_train_steps"]).is_warning
+            != expected_ok
+        )
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RAY_ADDRESS": ""},
+        timeout=120,
+    )
+    assert "round explore: enough_trials:" in out.stdout
