@@ -4,6 +4,7 @@ hosts x workers, and each Train worker runs the plain-PyTorch loop in `trainer.l
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 import ray
@@ -62,7 +63,17 @@ def worker_topology() -> Topology:
     )
 
 
+def quiet_train_console() -> None:
+    """Ray Train's workers log every report at INFO on the console, which floods the job log
+    (the run's LoggingConfig does not reach the worker console in 2.60). Raise the console
+    handler to WARNING; Ray's log files keep everything."""
+    for handler in logging.getLogger("ray.train").handlers:
+        if type(handler).__name__ == "PlainRayHandler":
+            handler.setLevel(logging.WARNING)
+
+
 def train_worker(config: dict) -> None:
+    quiet_train_console()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
     loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device())
@@ -171,6 +182,7 @@ def run_single(plan: TrialPlan):
 
 
 def eval_worker(config: dict) -> None:
+    quiet_train_console()
     from service.evaluation.offline import evaluate_checkpoint
 
     evaluate_checkpoint(

@@ -7,13 +7,12 @@ import math
 
 import pytest
 
+from service.analysis.enough_trials import enough_trials
 from service.analysis.scientific import best_per_scientific, summary_sentence
+from service.analysis.search_space import boundary, infeasible_region
 from service.analysis.verdicts import (
     Verdict,
     best_step_position,
-    boundary,
-    enough_trials,
-    infeasible_region,
     range_position,
     ranked_results,
     study_verdicts,
