@@ -52,6 +52,7 @@ class ProgressCallback(tune.Callback):
                 best_metric=result.get(self.metric),
                 best_step=result.get("best_step"),
                 best_checkpoint=result.get("best_checkpoint"),
+                diverged_at_step=result.get("diverged_at_step"),
             )
             if status == "FINISHED" and row.get("best_step") is not None:
                 verdict = best_step_position(name, row["best_step"], row["max_train_steps"])

@@ -160,6 +160,7 @@ def summarize(plan: TrialPlan, result) -> dict:
         if best and best["step"] in by_step
         else None,
         "num_checkpoints": len(result.best_checkpoints),
+        "diverged_at_step": last.get("diverged_at_step"),
     }
 
 

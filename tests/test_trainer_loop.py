@@ -226,6 +226,8 @@ def test_nan_loss_ends_trial_as_diverged(digits_dir, tmp_path):
 
     last, last_dir = reporter.reports[-1]
     assert last["status"] == "diverged"
+    # The step of the first non-finite loss, found here by replaying the same run step by step.
+    assert last["diverged_at_step"] == first_nonfinite_step(plan)
     assert last["validation/error"] == math.inf  # the worst value for mode: min
     assert last_dir is None
     # The trial stops at the first evaluation point after the bad step; no further training.
@@ -400,3 +402,35 @@ def test_saved_predictions_reproduce_the_reported_metrics(digits_dir, tmp_path):
                 assert report["precision"] == pytest.approx(precision[c])
             low, high = report["recall_interval"]
             assert low <= report["recall"] <= high
+
+
+def first_nonfinite_step(plan: TrialPlan) -> int:
+    """Replay the trial's updates in a plain loop (same seeds, data and optimizer) and return the
+    1-based step whose loss is first non-finite."""
+    from service.data.files import list_files
+    from service.data.loader import TrainStream
+    from service.data.sharding import train_shard
+    from service.topology import data_seed, init_seed
+    from service.trainer.loop import build_optimizer
+
+    workload = Digits()
+    torch.manual_seed(init_seed(plan.trial_seed))
+    model = workload.build_model(plan.hparams)
+    optimizer = build_optimizer(plan.study.training.optimizer, model.parameters(), plan.hparams)
+    stream = TrainStream(
+        workload,
+        train_shard(list_files(plan.study.data.train), 1, 0, 1, 0),
+        plan.study.training.batch_size,
+        data_seed(plan.trial_seed, 0, 0),
+    )
+    for step in range(plan.max_train_steps or plan.study.training.max_train_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = float(plan.hparams["learning_rate"])
+        batch = stream.batch(step)
+        loss = workload.loss(model(batch["features"]), batch).mean()
+        if not math.isfinite(float(loss)):
+            return step + 1
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    raise AssertionError("the replay never diverged")

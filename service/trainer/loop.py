@@ -64,6 +64,13 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_min(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 def gather_rng_states() -> list[torch.Tensor]:
     mine = torch.get_rng_state()
     if not distributed():
@@ -174,8 +181,12 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             "train/loss": loss_total / loss_n if loss_n else math.nan,
             "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9),
         }
-        if bad:
-            row.update({"status": "diverged", tr.metric: worst(tr.mode)})
+        if bad:  # every rank agrees (a reduced value), so every rank takes this branch
+            diverged_at = int(all_reduce_min(first_bad_step, device))
+            row.update({"status": "diverged", "diverged_at_step": diverged_at, tr.metric: worst(tr.mode)})
+            rank0.run(
+                print, f"[{plan.trial_name}] diverged: non-finite loss at step {diverged_at}", flush=True
+            )
             history.append(row)
             rank0.run(write_metrics_log, plan, history)
             reporter.report(row, None)
