@@ -9,8 +9,14 @@ from service.spec import Study
 
 
 def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
+    """An exploration round gets every verdict; an extend round reruns one configuration, so
+    only where its best checkpoint sits is meaningful (search-space and trial-count checks
+    would judge a single point)."""
     mine = [r for r in rows if r.get("round") == round_name]
+    kind = next(r.kind for r in study.rounds if r.name == round_name)
     verdicts = study_verdicts(mine, study.search, study.training.mode)
+    if kind == "extend":
+        verdicts = [v for v in verdicts if v.kind == "best_step_position"]
     groups = best_per_scientific(mine, study.search, study.training.mode)
     return {
         "round": round_name,
