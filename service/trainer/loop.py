@@ -126,18 +126,6 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             f"batch_size {tr.batch_size} ({tr.eval_batch_size_reason})",
             flush=True,
         )
-    records = provenance.gather(
-        provenance.rank_record(
-            topo,
-            init_seed(plan.trial_seed),
-            my_data_seed,
-            init_params,
-            sorted(set(files.OPENED[opened_before:])),
-            stream.batch(0)["example_id"],
-        )
-    )
-    rank0.run(provenance.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
-
     # 3. Resume from the latest checkpoint: weights, optimizer, step, RNG, history.
     state = reporter.restore() or TrialState()
     if state.model:
@@ -146,6 +134,18 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         if len(state.rng_states) == topo.world_size:  # else resumed on another world size
             torch.set_rng_state(state.rng_states[topo.world_rank])
     step, history = state.step, list(state.history)
+    records = provenance.gather(
+        provenance.rank_record(
+            topo,
+            init_seed(plan.trial_seed),
+            my_data_seed,
+            init_params,
+            sorted(set(files.OPENED[opened_before:])),
+            stream.batch(0)["example_id"],
+            resumed_from_step=step,
+        )
+    )
+    rank0.run(provenance.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
 
     base_lr = float(plan.hparams["learning_rate"])
     loss_sum, loss_count, first_bad_step = 0.0, 0, math.inf

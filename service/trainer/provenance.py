@@ -42,6 +42,7 @@ def rank_record(
     init_params: str,
     train_files: list[str],
     first_batch_ids: torch.Tensor,
+    resumed_from_step: int = 0,
 ) -> dict:
     return {
         "world_rank": topo.world_rank,
@@ -54,6 +55,7 @@ def rank_record(
         "init_params_sha256": init_params,
         "train_files": train_files,
         "first_batch_sha256": ids_sha256(first_batch_ids),
+        "resumed_from_step": resumed_from_step,
     }
 
 
