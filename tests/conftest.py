@@ -11,6 +11,16 @@ import pytest
 from service import spec
 from service.data.builtin import write_digits
 
+MINIMAL_STUDY = {
+    "name": "tiny",
+    "workload": "digits",
+    "data": {"train": "d/train", "validation": "d/val"},
+    "training": {"max_train_steps": 100, "batch_size": 32, "eval_every_steps": 10},
+    "search": {"learning_rate": {"role": "nuisance", "min": 0.01, "max": 1}},
+    "rounds": [{"name": "r1", "num_trials": 4}],
+}
+"""The smallest valid study file, as plain data."""
+
 BASE_STUDY = {
     "name": "t",
     "workload": "digits",

@@ -13,6 +13,7 @@ from service import spec
 from service.errors import SpecError
 from service.nn.ghost_batchnorm import GhostBatchNorm1d, GhostBatchNorm2d, convert_to_ghost, has_batchnorm
 from service.workloads.digits import SmallConvNet
+from tests.conftest import MINIMAL_STUDY as MINIMAL
 
 EPS = 1e-5
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -226,16 +227,6 @@ def test_convert_without_batchnorm_raises():
     assert not has_batchnorm(model)
     with pytest.raises(ValueError, match="BatchNorm"):
         convert_to_ghost(model, 64)
-
-
-MINIMAL = {
-    "name": "tiny",
-    "workload": "digits",
-    "data": {"train": "d/train", "validation": "d/val"},
-    "training": {"max_train_steps": 100, "batch_size": 32, "eval_every_steps": 10},
-    "search": {"learning_rate": {"role": "nuisance", "min": 0.01, "max": 1}},
-    "rounds": [{"name": "r1", "num_trials": 4}],
-}
 
 
 def test_spec_fields_default_and_load():

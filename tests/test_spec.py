@@ -13,6 +13,7 @@ import yaml
 from service import spec
 from service.checks import check_workload
 from service.errors import SpecError
+from tests.conftest import MINIMAL_STUDY as MINIMAL
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "studies" / "digits-demo.yaml"
@@ -23,15 +24,6 @@ def raw() -> dict:
     """The demo study as plain parsed YAML; each bad case changes exactly one thing in it."""
     return yaml.safe_load(DEMO.read_text(encoding="utf-8"))
 
-
-MINIMAL = {
-    "name": "tiny",
-    "workload": "digits",
-    "data": {"train": "d/train", "validation": "d/val"},
-    "training": {"max_train_steps": 100, "batch_size": 32, "eval_every_steps": 10},
-    "search": {"learning_rate": {"role": "nuisance", "min": 0.01, "max": 1}},
-    "rounds": [{"name": "r1", "num_trials": 4}],
-}
 
 FULL = {
     "name": "full_study-2",
@@ -82,7 +74,11 @@ def test_demo_file_loads_with_its_values():
     )
     assert s.fixed_hparams == {"weight_decay": 0.0005, "width": 16}
     assert list(s.searched_hparams) == ["learning_rate", "momentum"]
-    assert s.rounds == (spec.Round(name="explore", num_trials=6),)
+    assert s.rounds == (
+        spec.Round(name="explore", num_trials=6),
+        spec.Round(name="exploit", kind="extend", num_trials=1, step_multiplier=2),
+    )
+    assert s.round_steps(s.rounds[1]) == 600
     check_workload(s)  # the demo's metric and hyperparameters are known to the digits workload
 
 

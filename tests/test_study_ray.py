@@ -103,15 +103,20 @@ def test_best_checkpoint_reproduces_its_metric_independently(finished_study, dig
         assert math.isclose(loss, row["best_metric"], rel_tol=1e-4)
 
 
-def test_status_reads_the_stored_study(finished_study):
-    study, _, _ = finished_study
-    out = subprocess.run(
+def stored_status(study) -> subprocess.CompletedProcess:
+    """`playbook status NAME --storage ROOT` from a shell with no Ray cluster to ask."""
+    return subprocess.run(
         [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
         capture_output=True,
         text=True,
         env={**os.environ, "RAY_ADDRESS": ""},
         timeout=120,
     )
+
+
+def test_status_reads_the_stored_study(finished_study):
+    study, _, _ = finished_study
+    out = stored_status(study)
     assert out.returncode == 0, out.stderr
     assert "explore-0000" in out.stdout and "explore-0001" in out.stdout
     assert "best trial:" in out.stdout
@@ -192,11 +197,5 @@ def test_verdicts_are_saved_and_shown(finished_study):
             best_step_position(row["trial_name"], row["best_step"], row["max_train_steps"]).is_warning
             != expected_ok
         )
-    out = subprocess.run(
-        [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "RAY_ADDRESS": ""},
-        timeout=120,
-    )
+    out = stored_status(study)
     assert "round explore: enough_trials:" in out.stdout
