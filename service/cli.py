@@ -222,7 +222,8 @@ def cmd_eval(args) -> int:
             r_lo, r_hi = c["recall_interval"]
             print(
                 f"{c['class']:>5}  {c['support']:>7}  {_cell(c['precision']):>6} "
-                f"[{p_lo:.3f}, {p_hi:.3f}]  {_cell(c['recall']):>6} [{r_lo:.3f}, {r_hi:.3f}]"
+                f"[{p_lo:.3f}, {p_hi:.3f}]  {_cell(c['recall']):>6} [{r_lo:.3f}, {r_hi:.3f}]  "
+                f"{_cell(c['recall_per_example'])}"
             )
     print(f"metrics and predictions: {out}")
     return 0

@@ -199,3 +199,19 @@ def test_verdicts_are_saved_and_shown(finished_study):
         )
     out = stored_status(study)
     assert "round explore: enough_trials:" in out.stdout
+
+
+def test_playbook_eval_command_prints_metrics_and_per_class_counts(finished_study, digits_dir, capsys):
+    from service.cli import main
+
+    _, explore, _ = finished_study
+    best = min(explore, key=lambda r: r["best_metric"])
+    assert main(["eval", best["best_checkpoint"], "--split", "validation"]) == 0
+    out = capsys.readouterr().out
+    assert "validation/count: 270" in out
+    support = np.bincount(pq.read_table(str(digits_dir / "validation")).column("label").to_numpy())
+    lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(parts[1]) for parts in lines] == support.tolist()
+    assert [float(parts[-1]) for parts in lines] == pytest.approx((1 / support).tolist(), rel=1e-3)
+    assert main(["eval", str(digits_dir), "--split", "test"]) == 2  # not a checkpoint: one line, exit 2
+    assert capsys.readouterr().err.count("\n") == 1

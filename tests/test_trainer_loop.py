@@ -400,6 +400,7 @@ def test_saved_predictions_reproduce_the_reported_metrics(digits_dir, tmp_path):
             assert report["recall"] == pytest.approx(recall[c])
             if not np.isnan(precision[c]):
                 assert report["precision"] == pytest.approx(precision[c])
+            assert report["recall_per_example"] == pytest.approx(1 / support[c])
             low, high = report["recall_interval"]
             assert low <= report["recall"] <= high
 

@@ -136,8 +136,8 @@ def examples_for_change(n: int, delta: float) -> float:
 
 def per_class(confusion: Tensor | np.ndarray, z: float = Z_95) -> list[dict]:
     """One row per class of a confusion matrix (rows true labels, columns predictions): support,
-    predicted count, true positives, precision and recall (NaN when undefined) and their Wilson
-    intervals."""
+    predicted count, true positives, precision and recall (NaN when undefined), their Wilson
+    intervals, and the change in each rate that one example makes."""
     c = np.asarray(confusion.cpu() if isinstance(confusion, Tensor) else confusion, dtype=np.int64)
     if c.ndim != 2 or c.shape[0] != c.shape[1]:
         raise ValueError(f"confusion matrix must be square, got shape {c.shape}")
@@ -154,6 +154,9 @@ def per_class(confusion: Tensor | np.ndarray, z: float = Z_95) -> list[dict]:
                 "recall": tp / support if support else math.nan,
                 "precision_interval": wilson_interval(tp, predicted, z),
                 "recall_interval": wilson_interval(tp, support, z),
+                # How far one example moves each rate: "+0.05 recall" is 0.05 / this examples.
+                "precision_per_example": 1 / predicted if predicted else math.nan,
+                "recall_per_example": 1 / support if support else math.nan,
             }
         )
     return rows
