@@ -44,6 +44,15 @@ def read_log(plan) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def registered_steps(plan) -> list[int]:
+    path = os.path.join(plan.trial_uri, "checkpoint_manager_snapshot.json")
+    try:
+        with open(path) as f:
+            return [r["metrics"]["step"] for r in json.load(f)["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
 def final_state(plan, result):
     return checkpoint.load(max(result.best_checkpoints, key=lambda cm: cm[1]["step"])[0].path)
 
@@ -61,15 +70,16 @@ def test_sigkilled_worker_resumes_to_the_same_result(ray_cluster, digits_dir, tm
     killed_after = None
     deadline = time.time() + 300
     while runner.is_alive() and time.time() < deadline:
-        log = read_log(plan)
-        # Two evals logged: the first eval's checkpoint has surely been persisted (its report
-        # returned before training went on), so a resume has a checkpoint to start from.
-        if len(log) >= 2 and killed_after is None:
+        # Kill once Ray's controller has registered a checkpoint (its snapshot lists one): a
+        # checkpoint the worker reported but the controller had not yet taken in is lost with
+        # the worker, and the run would rightly restart from an earlier one.
+        registered = registered_steps(plan)
+        if registered and killed_after is None:
             with open(plan.topology_uri) as f:
                 pid = json.load(f)["ranks"][0]["pid"]
             os.kill(pid, signal.SIGKILL)
-            killed_after = log[-1]["step"]
-            persisted = log[-2]["step"]
+            killed_after = read_log(plan)[-1]["step"]
+            persisted = max(registered)
         time.sleep(0.05)
     runner.join(timeout=300)
     assert killed_after is not None and killed_after < STEPS, "the worker was never killed mid-run"
