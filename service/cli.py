@@ -103,6 +103,7 @@ def connect_ray() -> None:
 
 
 def cmd_run(args) -> int:
+    from service import provenance
     from service.checks import check_data, check_same_study, check_storage
     from service.coordinator import run_study
 
@@ -110,6 +111,10 @@ def cmd_run(args) -> int:
     check_data(study)
     check_storage(study)
     check_same_study(study)
+    record = provenance.capture(os.getcwd(), study.study_uri)
+    print(
+        f"provenance: commit {record['git_commit']}" + (" (dirty; diff saved)" if record["git_dirty"] else "")
+    )
     connect_ray()
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)
