@@ -29,7 +29,7 @@ from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost
 from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
-from service.trainer import checkpoint, provenance
+from service.trainer import checkpoint, topology_record
 from service.trainer.checkpoint import TrialState
 from service.trainer.rank0 import Rank0
 from service.trial import TrialPlan, best_row, worst
@@ -93,7 +93,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     model = workload.build_model(plan.hparams).to(device)
     if tr.ghost_batch_norm:  # BN statistics over virtual batches, not the per-worker batch
         convert_to_ghost(model, tr.virtual_batch_size)
-    init_params = provenance.params_sha256(model)
+    init_params = topology_record.params_sha256(model)
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
     # Per-rank randomness (dropout, augmentation) from the per-host data seed.
@@ -134,8 +134,8 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         if len(state.rng_states) == topo.world_size:  # else resumed on another world size
             torch.set_rng_state(state.rng_states[topo.world_rank])
     step, history = state.step, list(state.history)
-    records = provenance.gather(
-        provenance.rank_record(
+    records = topology_record.gather(
+        topology_record.rank_record(
             topo,
             init_seed(plan.trial_seed),
             my_data_seed,
@@ -145,7 +145,7 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
             resumed_from_step=step,
         )
     )
-    rank0.run(provenance.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
+    rank0.run(topology_record.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
 
     base_lr = float(plan.hparams["learning_rate"])
     loss_sum, loss_count, first_bad_step = 0.0, 0, math.inf
