@@ -21,13 +21,18 @@ def git(cwd, *args) -> str:
     ).stdout
 
 
-def test_commit_and_saved_diff_rebuild_the_dirty_tree(tmp_path):
-    repo = tmp_path / "repo"
+def committed_repo(repo, file_name: str, text: str):
+    """A new git repository with one committed file."""
     repo.mkdir()
     git(repo, "init", "-q")
-    (repo / "model.py").write_text("width = 16\n")
-    git(repo, "add", "model.py")
+    (repo / file_name).write_text(text)
+    git(repo, "add", file_name)
     git(repo, "commit", "-qm", "first")
+    return repo
+
+
+def test_commit_and_saved_diff_rebuild_the_dirty_tree(tmp_path):
+    repo = committed_repo(tmp_path / "repo", "model.py", "width = 16\n")
     (repo / "model.py").write_text("width = 32  # an experiment nobody committed\n")
 
     study_uri = str(tmp_path / "studies" / "s")
@@ -46,12 +51,7 @@ def test_commit_and_saved_diff_rebuild_the_dirty_tree(tmp_path):
 
 
 def test_clean_tree_and_no_repository(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q")
-    (repo / "a.txt").write_text("x\n")
-    git(repo, "add", "a.txt")
-    git(repo, "commit", "-qm", "c")
+    repo = committed_repo(tmp_path / "repo", "a.txt", "x\n")
     clean = provenance.capture(str(repo), str(tmp_path / "s1"))
     assert clean["git_commit"] and not clean["git_dirty"] and clean["uncommitted_diff"] is None
 
