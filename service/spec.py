@@ -11,16 +11,14 @@ import dataclasses
 import math
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
 from service.errors import SpecError
+from service.strict import Scalar, build, load_yaml
 
-Scalar = str | int | float | bool
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # Hyperparameters the trainer itself consumes; every other name goes to the workload.
 OPTIMIZER_HPARAMS = ("learning_rate", "momentum", "weight_decay", "beta1", "beta2", "warmup_steps")
@@ -373,48 +371,16 @@ def load_file(path: str | os.PathLike) -> Study:
     return load_text(text, source=str(path))
 
 
-class _StudyLoader(yaml.SafeLoader):
-    """Safe YAML, plus: a repeated key is an error (not silently last-wins), and `1e-3` is a
-    number (YAML 1.1 wants a dot, so plain PyYAML reads it as a string)."""
-
-
-def _mapping_without_duplicates(loader, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_StudyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-_StudyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 def load_text(text: str, source: str = "<study>") -> Study:
-    try:
-        raw = yaml.load(text, Loader=_StudyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError(f"{source}: not valid YAML{where}: {problem}") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{source}: the study file must be a mapping of keys to values")
-    return load_dict(raw)
+    return load_dict(load_yaml(text, source))
 
 
 def load_dict(raw: dict) -> Study:
-    return _build(Study, raw, "")
+    return build(Study, raw, "")
 
 
 def schedule_from_dict(raw: dict) -> Schedule:
-    return _build(Schedule, raw, "schedule")
+    return build(Schedule, raw, "schedule")
 
 
 def to_dict(study: Study) -> dict:
@@ -432,102 +398,6 @@ def to_dict(study: Study) -> dict:
 
 def dump_yaml(study: Study) -> str:
     return yaml.safe_dump(to_dict(study), sort_keys=False)
-
-
-def _join(path: str, name: str) -> str:
-    if name.startswith("["):
-        return f"{path}{name}"
-    return f"{path}.{name}" if path else name
-
-
-def _build(tp, raw, path):
-    """Convert `raw` (parsed YAML) to type `tp`, raising SpecError with `path` on a mismatch."""
-    where = path or "<study>"
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(raw, dict):
-            raise SpecError(f"{where}: must be a mapping (got {_kind(raw)})")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        for key in raw:
-            if key not in fields:
-                known = ", ".join(fields)
-                raise SpecError(f"{_join(path, str(key))}: unknown key (known: {known})")
-        kwargs = {}
-        for name, f in fields.items():
-            if name in raw:
-                kwargs[name] = _build(hints[name], raw[name], _join(path, name))
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise SpecError(f"{_join(path, name)}: required")
-        obj = tp(**kwargs)
-        for sub, msg in obj.errors() if hasattr(obj, "errors") else ():
-            raise SpecError(f"{_join(path, sub)}: {msg}")
-        return obj
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if raw is None and type(None) in args:
-            return None
-        if tp == Scalar or set(args) >= {str, int, float, bool}:
-            if isinstance(raw, float) and not math.isfinite(raw):
-                raise SpecError(f"{where}: must be finite (got {raw})")
-            if isinstance(raw, str | int | float | bool):
-                return raw
-            raise SpecError(f"{where}: must be a scalar (got {_kind(raw)})")
-        (inner,) = [a for a in args if a is not type(None)]
-        return _build(inner, raw, path)
-    if origin is Literal:
-        options = typing.get_args(tp)
-        if raw not in options:
-            raise SpecError(f"{where}: must be one of {', '.join(map(str, options))} (got {raw!r})")
-        return raw
-    if origin is tuple:
-        if not isinstance(raw, list):
-            raise SpecError(f"{where}: must be a list (got {_kind(raw)})")
-        inner = typing.get_args(tp)[0]
-        return tuple(_build(inner, x, f"{path}[{i}]") for i, x in enumerate(raw))
-    if origin is dict:
-        if not isinstance(raw, dict):
-            raise SpecError(f"{where}: must be a mapping (got {_kind(raw)})")
-        inner = typing.get_args(tp)[1]
-        out = {}
-        for k, v in raw.items():
-            if not isinstance(k, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
-                raise SpecError(f"{_join(path, str(k))}: not a valid hyperparameter name")
-            out[k] = _build(inner, v, _join(path, k))
-        return out
-    if tp is bool:
-        if not isinstance(raw, bool):
-            raise SpecError(f"{where}: must be true or false (got {_kind(raw)})")
-        return raw
-    if tp is int:
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise SpecError(f"{where}: must be an integer (got {_kind(raw)})")
-        return raw
-    if tp is float:
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise SpecError(f"{where}: must be a number (got {_kind(raw)})")
-        if raw != raw or raw in (float("inf"), float("-inf")):
-            raise SpecError(f"{where}: must be finite (got {raw})")
-        return float(raw)
-    if tp is str:
-        if not isinstance(raw, str):
-            raise SpecError(f"{where}: must be a string (got {_kind(raw)})")
-        return raw
-    raise AssertionError(f"spec loader has no rule for {tp!r}")  # internal invariant
-
-
-def _kind(v: Any) -> str:
-    if v is None:
-        return "nothing"
-    if isinstance(v, bool):
-        return f"boolean {v}".lower()
-    if isinstance(v, dict):
-        return "a mapping"
-    if isinstance(v, list):
-        return "a list"
-    if isinstance(v, str):
-        return f"string {v!r}"
-    return f"{type(v).__name__} {v!r}"
 
 
 def _positive(obj, *names):
