@@ -67,6 +67,21 @@ def test_files_for_hosts_close_to_optimal(rows, num_hosts):
     assert 3 * num_hosts * largest <= (4 * num_hosts - 1) * best  # exact integer form
 
 
+def test_files_for_hosts_matches_a_plain_longest_first_loop():
+    """The heap-based assignment gives exactly what the textbook loop gives: each file, largest
+    first (ties by URI), to the host with the fewest rows so far (ties by host index)."""
+    rng = np.random.default_rng(7)
+    files = synthetic_files(rng.integers(0, 40, 400).tolist())  # many ties, some empty files
+    num_hosts = 13
+    loads, expected = [0] * num_hosts, [[] for _ in range(num_hosts)]
+    for f in sorted(files, key=lambda f: (-f.num_rows, f.uri)):
+        host = min(range(num_hosts), key=lambda h: (loads[h], h))
+        expected[host].append(f.uri)
+        loads[host] += f.num_rows
+    shards = files_for_hosts(files, num_hosts)
+    assert [[f.uri for f in s] for s in shards] == [sorted(e) for e in expected]
+
+
 def test_fewer_files_than_hosts_is_a_data_error():
     files = synthetic_files([10, 20])
     with pytest.raises(DataError, match="part-00000.parquet") as info:

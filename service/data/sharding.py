@@ -8,6 +8,7 @@ every example is evaluated exactly once.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from service.data.files import DataFile
@@ -32,10 +33,12 @@ def files_for_hosts(files: list[DataFile], num_hosts: int) -> list[list[DataFile
     order = sorted(range(len(files)), key=lambda i: (-files[i].num_rows, files[i].uri))
     loads = [0] * num_hosts
     shards: list[list[int]] = [[] for _ in range(num_hosts)]
+    lightest = [(0, h) for h in range(num_hosts)]  # a heap of (rows so far, host): O(log hosts) a file
     for i in order:
-        host = min(range(num_hosts), key=lambda h: (loads[h], h))
+        _, host = heapq.heappop(lightest)
         shards[host].append(i)
         loads[host] += files[i].num_rows
+        heapq.heappush(lightest, (loads[host], host))
     for host, load in enumerate(loads):
         if load == 0:
             raise DataError(
