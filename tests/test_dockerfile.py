@@ -67,7 +67,7 @@ def test_dockerfile_pins_match_pyproject():
     pinned = re.findall(r"\b([A-Za-z][A-Za-z0-9_.-]*)==([0-9][^\s\"']*)", text)
     assert ("torch", pins["torch"]) in pinned
     for name, version in pinned:
-        assert pins.get(name.lower()) == version, f"Dockerfile pins {name}=={version}, pyproject {pins.get(name)}"
+        assert pins.get(name.lower()) == version, f"Dockerfile {name}=={version}, pyproject {pins.get(name)}"
 
     # The project itself is installed from its pyproject (so its pins apply), as a non-root user.
     assert re.search(r"pip install [^\n]*/home/ray/playbook\s*$", text, re.M)
