@@ -18,27 +18,14 @@ import pytest
 import yaml
 
 from service import spec
+from tests._kuberay import configmap_mounts, find, manifest_docs, pod_templates
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFESTS = ROOT / "deploy" / "kuberay"
 # shared/ sits beside the repository (the worktree's or CI's clone): <repo>/../shared.
 CRD_DIR = ROOT.parent / "shared" / "kuberay-crds"
 K8S_VERSION = "1.33"  # the oldest Kubernetes minor the manifests are checked against
 CORE_KINDS = {"ConfigMap", "ServiceAccount"}
 FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are 2 MB of YAML
-
-
-def manifest_docs() -> list[tuple[str, dict]]:
-    """(file name, object) for every YAML document under deploy/kuberay/."""
-    docs = []
-    for path in sorted(MANIFESTS.glob("*.yaml")):
-        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
-def find(kind: str) -> dict:
-    (obj,) = [d for _, d in manifest_docs() if d["kind"] == kind]
-    return obj
 
 
 def strict(schema):
@@ -135,12 +122,6 @@ def test_broken_manifest_is_rejected(kind, path, value, word):
     assert word in err.value.message, err.value.message
 
 
-def pod_templates(cluster_spec: dict) -> list[tuple[str, dict]]:
-    groups = [("head", cluster_spec["headGroupSpec"])]
-    groups += [(g["groupName"], g) for g in cluster_spec["workerGroupSpecs"]]
-    return [(name, g["template"]["spec"]) for name, g in groups]
-
-
 @pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
 def test_cluster_is_secured_resourced_and_has_cpu_and_gpu_groups(kind):
     obj = find(kind)
@@ -186,13 +167,7 @@ def test_rayjob_runs_one_study_from_the_configmap():
     # Every pod mounts the ConfigMap where the entrypoint reads the study (the driver runs on
     # the head, but entrypoint resources could place it on a worker).
     for name, pod in pod_templates(job["spec"]["rayClusterSpec"]):
-        volumes = {v["name"]: v for v in pod["volumes"]}
-        mounts = [
-            m
-            for c in pod["containers"]
-            for m in c["volumeMounts"]
-            if volumes[m["name"]].get("configMap", {}).get("name") == config["metadata"]["name"]
-        ]
-        assert [Path(m["mountPath"]) for m in mounts] == [study_path.parent], name
+        mounts = configmap_mounts(pod, config["metadata"]["name"])
+        assert [Path(m) for m in mounts] == [study_path.parent], name
     study = spec.load_text(config["data"][study_path.name])
     assert study.storage.startswith("gs://") and study.data.train.startswith("gs://")
