@@ -4,12 +4,14 @@ the service's gcsfs (service/storage.py) and every process started with it at th
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
@@ -45,3 +47,26 @@ def gcs_emulator(bucket: str, log_path) -> Iterator[dict[str, str]]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         log.close()
+
+
+def read_object(endpoint: str, uri: str) -> bytes:
+    """The bytes of gs://bucket/name, through the storage JSON API (no gcsfs: independent of the
+    service's filesystem, and no gcsfs import-time settings in this process)."""
+    bucket, name = uri.removeprefix("gs://").split("/", 1)
+    url = f"{endpoint}/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}?alt=media"
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return r.read()
+
+
+def list_objects(endpoint: str, uri: str) -> list[str]:
+    """gs:// URIs of every object under the prefix `uri`."""
+    bucket, prefix = uri.removeprefix("gs://").split("/", 1)
+    names, token = [], ""
+    while True:
+        query = urllib.parse.urlencode({"prefix": prefix, **({"pageToken": token} if token else {})})
+        with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{bucket}/o?{query}", timeout=60) as r:
+            page = json.load(r)
+        names += [f"gs://{bucket}/{item['name']}" for item in page.get("items", [])]
+        token = page.get("nextPageToken")
+        if not token:
+            return names
