@@ -1,11 +1,15 @@
 """`ray job submit -- playbook run study.yaml` against a `ray start --head` with token auth,
-started by the test with its own temp dir and ports: the job succeeds and the trial rows exist."""
+started by the test with its own temp dir and ports: the job succeeds and the trial rows exist;
+the KubeRay RayJob's own entrypoint and study file (gs:// on an emulator) run the same way."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,6 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from service import spec
+from tests import _kuberay as kuberay
+from tests._gcs import gcs_emulator, list_objects, read_object
 from tests.conftest import free_ports, session_pids, study_dict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -26,12 +33,21 @@ BIN = os.path.dirname(sys.executable)
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """A token-auth Ray head in its own session; all of its processes are killed afterwards."""
+    with start_ray_head(tmp_path) as head:
+        yield head
+
+
+@contextlib.contextmanager
+def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None):
+    """A token-auth Ray head in its own session, its processes started with `extra_env`; yields
+    (dashboard address, GCS address, the env of a client holding the token). All of its
+    processes are killed afterwards."""
     ports = free_ports(12)
     token = secrets.token_hex(16)
     temp_dir = f"/tmp/rh-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
     env = {
         **os.environ,
+        **(extra_env or {}),
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": token,
         "PATH": f"{BIN}:{os.environ['PATH']}",
@@ -186,3 +202,85 @@ def job_state(address: str, job_id: str, env: dict) -> str:
         if f"Job '{job_id}' {word}" in text:
             return state
     return "RUNNING"
+
+
+def test_rayjob_entrypoint_runs_on_a_token_auth_head(tmp_path):
+    """deploy/kuberay/rayjob.yaml's entrypoint, with the ConfigMap's study file where the
+    manifest mounts it (here under tmp_path) and its gs:// storage and data on an emulator,
+    through `ray job submit`; then `playbook status` from a laptop reads the study's storage."""
+    job, config = kuberay.find("RayJob"), kuberay.find("ConfigMap")
+    head_pod = dict(kuberay.pod_templates(job["spec"]["rayClusterSpec"]))["head"]
+    (mount,) = kuberay.configmap_mounts(head_pod, config["metadata"]["name"])
+    local = tmp_path / "configmap"
+    local.mkdir()
+    for key, text in config["data"].items():
+        (local / key).write_text(text)
+    entrypoint = shlex.split(job["spec"]["entrypoint"])
+    argv = [str(local) + a[len(mount) :] if a.startswith(mount + "/") else a for a in entrypoint]
+    assert argv != entrypoint, "the entrypoint reads nothing from the ConfigMap"
+    study = spec.load_text(config["data"][os.path.basename(argv[-1])])
+    bucket = study.storage.removeprefix("gs://").split("/")[0]
+    data_root = os.path.dirname(study.data.train)
+    assert {study.data.validation, study.data.test} == {f"{data_root}/validation", f"{data_root}/test"}
+
+    with gcs_emulator(bucket, tmp_path / "gcs.log") as gcs_env:
+        client_env = {**os.environ, **gcs_env}
+        client_env.pop("RAY_ADDRESS", None)
+        client_env.pop("RAY_AUTH_TOKEN", None)
+        subprocess.run(
+            [sys.executable, "-m", "service", "data", "digits", data_root],
+            env=client_env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        with start_ray_head(tmp_path, gcs_env) as (address, _, env):
+            submit = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", address, "--", *argv]
+            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+            state, logs = wait_for_job(address, job_id, env, timeout_s=480)
+            assert state == "SUCCEEDED", logs[-4000:]
+
+        # The laptop: another process, no RAY_ADDRESS and no cluster token, only the storage.
+        status = subprocess.run(
+            [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
+            env=client_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stderr[-3000:]
+
+        # What the job wrote, read straight from the emulator's JSON API.
+        endpoint = gcs_env["STORAGE_EMULATOR_HOST"]
+        study_uri = f"{study.storage}/{study.name}"
+        rows = pq.read_table(io.BytesIO(read_object(endpoint, f"{study_uri}/trials.parquet"))).to_pylist()
+        assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001"]
+        steps = study.training.max_train_steps
+        assert all(r["status"] == "FINISHED" and r["step"] == steps for r in rows)
+        stored = list_objects(endpoint, study_uri)
+        for r in rows:  # each trial's best checkpoint went to gs:// from the training worker
+            assert any(u.startswith(r["best_checkpoint"] + "/") for u in stored), r["best_checkpoint"]
+
+    assert f"study {study.name}: stored at {study.storage}/{study.name}" in status.stdout
+    best = min(rows, key=lambda r: r["best_metric"])
+    assert f"best trial: {best['trial_name']} " in status.stdout, status.stdout
+    assert f"best trial: {best['trial_name']} " in logs
+
+
+def wait_for_job(address: str, job_id: str, env: dict, timeout_s: float) -> tuple[str, str]:
+    """(final state, logs) of a submitted job, polling until it ends or `timeout_s` passes."""
+    deadline = time.time() + timeout_s
+    state = job_state(address, job_id, env)
+    while state == "RUNNING" and time.time() < deadline:
+        time.sleep(2)
+        state = job_state(address, job_id, env)
+    logs = subprocess.run(
+        [f"{BIN}/ray", "job", "logs", "--address", address, job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return state, logs
