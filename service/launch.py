@@ -16,6 +16,7 @@ from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from service import spec, storage
+from service.analysis.input_bound import trial_input_row
 from service.spec import Study
 from service.topology import Topology, host_ranks
 from service.trainer import checkpoint, loop
@@ -161,6 +162,7 @@ def summarize(plan: TrialPlan, result) -> dict:
         else None,
         "num_checkpoints": len(result.best_checkpoints),
         "diverged_at_step": last.get("diverged_at_step"),
+        **trial_input_row(plan.trial_name, history, plan.study),
     }
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 from service.analysis.verdicts import OK, WARNING, Verdict, _verdict
 
+INPUT_ROW_FIELDS = ("input/exposed_fraction", "input/bound", "input/verdict")
+"""The trial-table columns of this verdict."""
 SUMS = ("input/wait_s", "input/step_s", "input/read_s", "input/preprocess_s")
 
 
@@ -114,3 +116,28 @@ def likely_cause(totals: InputTotals, remote: bool, prefetch_batches: int) -> tu
 def is_remote(uri: str) -> bool:
     """Data behind a network (anything but local paths and memory://)."""
     return "://" in uri and uri.split("://", 1)[0] not in ("file", "local", "memory")
+
+
+def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study) -> dict:
+    """The trial-table fields of a trial's metrics log: `input/exposed_fraction`,
+    `input/bound` and `input/verdict` (the message); {} when the log has no input timings."""
+    totals = InputTotals.from_history(history)
+    if totals is None:
+        return {}
+    v = input_bound(
+        trial_name,
+        totals,
+        study.input.input_bound_threshold,
+        is_remote(study.data.train),
+        study.input.prefetch_batches,
+    )
+    return dict(zip(INPUT_ROW_FIELDS, (totals.exposed_fraction, v.is_warning, v.message), strict=True))
+
+
+def row_verdicts(rows: Iterable[Mapping[str, Any]]) -> list[Verdict]:
+    """The input-bound warnings recorded in trial rows (for the round's verdicts)."""
+    return [
+        _verdict("input_bound", str(r["trial_name"]), WARNING, str(r["input/verdict"]))
+        for r in rows
+        if r.get("input/bound")
+    ]

@@ -28,7 +28,9 @@ class Prefetcher(Iterator[T]):
             target=_fill, args=(source, self._queue, self._stop), name="playbook-prefetch", daemon=True
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, self._stop.set)
+        # Also at interpreter exit: a daemon thread inside a parquet read while the interpreter
+        # finalizes can abort the process.
+        self._finalizer = weakref.finalize(self, _stop, self._stop, self._thread)
 
     def __next__(self) -> T:
         item = self._queue.get()
@@ -40,8 +42,13 @@ class Prefetcher(Iterator[T]):
         return item
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        self._finalizer()
+
+
+def _stop(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(timeout=10)
 
 
 def _fill(source: Iterator, q: queue.Queue, stop: threading.Event) -> None:
