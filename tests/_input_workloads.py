@@ -1,0 +1,26 @@
+"""Test workloads for the input-pipeline diagnosis (loaded as `_input_workloads:Class`)."""
+
+from __future__ import annotations
+
+import time
+
+from service.workloads.digits import Digits
+
+SLOW_S_PER_ROW = 0.001
+
+
+class SlowDigits(Digits):
+    """Digits whose online preprocessing costs 1 ms per example (a decode/augment stand-in)."""
+
+    name = "slow_digits"
+
+    def to_batch(self, table):
+        time.sleep(SLOW_S_PER_ROW * table.num_rows)
+        return super().to_batch(table)
+
+
+class JunkDigits(Digits):
+    """Digits that declares a column it never uses."""
+
+    name = "junk_digits"
+    feature_columns = ("pixels", "junk")
