@@ -186,7 +186,10 @@ def run_study(study: Study) -> list[dict]:
         raise PlaybookError(f"study {study.name!r} is already running on this cluster")
     except ValueError:
         pass
-    coordinator = Coordinator.options(name=name, namespace=NAMESPACE).remote(study)
+    env = storage.forwarded_env()  # merged into the job's runtime env (a gs:// emulator, ...)
+    coordinator = Coordinator.options(
+        name=name, namespace=NAMESPACE, **({"runtime_env": {"env_vars": env}} if env else {})
+    ).remote(study)
     try:
         return ray.get(coordinator.run.remote())
     finally:

@@ -123,7 +123,12 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
             # Ray Train's per-report INFO lines would drown the coordinator's progress lines in
             # the job log; they still go to Ray's log files.
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker)))}},
+            worker_runtime_env={
+                "env_vars": {
+                    "OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker))),
+                    **storage.forwarded_env(),
+                }
+            },
         ),
     )
 
