@@ -26,7 +26,9 @@ pytestmark = pytest.mark.ray
 
 def emulator_fs() -> gcsfs.GCSFileSystem:
     """A client of our own (not the service's `storage.split`) for reading back."""
-    return gcsfs.core.GCSFileSystem(token="anon", project="test", endpoint_url=os.environ["STORAGE_EMULATOR_HOST"])
+    return gcsfs.core.GCSFileSystem(
+        token="anon", project="test", endpoint_url=os.environ["STORAGE_EMULATOR_HOST"]
+    )
 
 
 def test_a_study_on_gs_writes_everything_there_and_reads_it_back(ray_cluster, gcs_emulator, tmp_path, capsys):
