@@ -51,6 +51,16 @@ class Piece:
         return self.hi - self.lo
 
 
+@dataclass(frozen=True)
+class WindowTask:
+    """Window `window` of epoch `epoch`: its pieces, and the first row of it still to serve."""
+
+    epoch: int
+    window: int
+    pieces: tuple[Piece, ...]
+    offset: int
+
+
 @dataclass
 class LoaderStats:
     """Seconds the producing side spent, summed since the last `take()`: reading row groups
@@ -143,23 +153,33 @@ class TrainStream:
         ordered = [self.pieces[i] for i in order]
         return [ordered[i : i + self.window] for i in range(0, len(ordered), self.window)]
 
-    def _chunks(self, position: int) -> Iterator[Batch]:
-        """Shuffled windows from example `position` of the infinite sequence on."""
-        reader = WindowReader(self.workload, self.stats)
+    def plan(self, position: int) -> Iterator[WindowTask]:
+        """The windows from example `position` of the infinite sequence on (footers only)."""
         epoch, offset = divmod(position, self.num_examples)
+        while True:
+            for w, pieces in enumerate(self._windows(epoch)):
+                rows = sum(p.num_rows for p in pieces)
+                if offset >= rows:  # before the start position: skipped
+                    offset -= rows
+                    continue
+                yield WindowTask(epoch, w, tuple(pieces), offset)
+                offset = 0
+            epoch += 1
+
+    def load(self, task: WindowTask, reader: WindowReader) -> Batch:
+        """One window's rows, shuffled with (data_seed, epoch, window), from its offset on."""
+        tensors = reader.read(list(task.pieces))
+        rows = sum(p.num_rows for p in task.pieces)
+        perm = torch.from_numpy(
+            np.random.default_rng([self.data_seed, task.epoch, task.window]).permutation(rows)
+        )
+        return {k: v[perm[task.offset :]] for k, v in tensors.items()}
+
+    def _chunks(self, position: int) -> Iterator[Batch]:
+        reader = WindowReader(self.workload, self.stats)
         try:
-            while True:
-                for w, pieces in enumerate(self._windows(epoch)):
-                    rows = sum(p.num_rows for p in pieces)
-                    if offset >= rows:  # before the start position: skipped from footers alone
-                        offset -= rows
-                        continue
-                    tensors = reader.read(pieces)
-                    rng = np.random.default_rng([self.data_seed, epoch, w])
-                    perm = torch.from_numpy(rng.permutation(rows))
-                    yield {k: v[perm[offset:]] for k, v in tensors.items()}
-                    offset = 0
-                epoch += 1
+            for task in self.plan(position):
+                yield self.load(task, reader)
         finally:
             reader.reader.close()
 
