@@ -77,7 +77,17 @@ def train_worker(config: dict) -> None:
     quiet_train_console()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
-    loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device())
+    loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device(), batch_source(plan.study))
+
+
+def batch_source(study: Study) -> loop.BatchSource | None:
+    """Ray Data input workers when the study asks for them (else the loop's own prefetch)."""
+    inp = study.input
+    if inp.workers != "ray_data":
+        return None
+    from service.data.ray_input import ray_data_source
+
+    return ray_data_source(inp.num_input_workers, inp.cpus_per_input_worker, inp.prefetch_batches)
 
 
 def placement_strategy(scaling) -> str:

@@ -51,7 +51,17 @@ class InputPipeline:
     """Trace this many training steps (after the first) with the torch profiler on rank 0 and
     write `trials/<trial>/profile/rank0.trace.json` (open it in https://ui.perfetto.dev)."""
 
+    workers: Literal["local", "ray_data"] = "local"
+    """Who reads and preprocesses a rank's windows: `local` (its own prefetch thread) or
+    `ray_data` (a pool of Ray Data actors per rank, for CPU-heavy online preprocessing; the same
+    shards, seeds and batches, bit for bit)."""
+    num_input_workers: int = 2
+    """With `workers: ray_data`: Ray Data actors per training rank."""
+    cpus_per_input_worker: float = 1.0
+    """With `workers: ray_data`: CPUs reserved by each input actor (besides the trainers')."""
+
     def errors(self):
+        yield from _positive(self, "num_input_workers", "cpus_per_input_worker")
         yield from _non_negative(self, "prefetch_batches", "profile_steps")
         yield from _positive(self, "shuffle_window_row_groups")
         if not 0 < self.input_bound_threshold < 1:
