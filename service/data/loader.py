@@ -175,8 +175,8 @@ class TrainStream:
         )
         return {k: v[perm[task.offset :]] for k, v in tensors.items()}
 
-    def _chunks(self, position: int) -> Iterator[Batch]:
-        reader = WindowReader(self.workload, self.stats)
+    def _chunks(self, position: int, stats: LoaderStats) -> Iterator[Batch]:
+        reader = WindowReader(self.workload, stats)
         try:
             for task in self.plan(position):
                 yield self.load(task, reader)
@@ -185,11 +185,15 @@ class TrainStream:
 
     def iterate(self, start_step: int = 0) -> Iterator[Batch]:
         """The batches of steps start_step, start_step + 1, ... (each a pure function of its step)."""
-        return rebatch(self._chunks(start_step * self.batch_size), self.batch_size, keep_last=False)
+        return rebatch(
+            self._chunks(start_step * self.batch_size, self.stats), self.batch_size, keep_last=False
+        )
 
     def batch(self, step: int) -> Batch:
-        """The batch of one step (reads one or two windows; for checks, not for the loop)."""
-        return next(self.iterate(step))
+        """The batch of one step (reads one or two windows; for checks, not for the loop, and
+        not counted in `stats`)."""
+        chunks = self._chunks(step * self.batch_size, LoaderStats())
+        return next(rebatch(chunks, self.batch_size, keep_last=False))
 
 
 def eval_batches(
