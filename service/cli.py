@@ -61,6 +61,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("uri")
     c.set_defaults(func=cmd_data)
 
+    c = sub.add_parser("preprocess", help="preprocess raw parquet offline into shards for a workload")
+    c.add_argument("source", help="raw parquet files (a directory, glob or file; any fsspec URI)")
+    c.add_argument("dest", help="where the shards and _provenance.json go")
+    c.add_argument("--workload", required=True, help="built-in name or package.module:Class")
+    c.add_argument("--num-files", type=int, default=8, help="shards (a multiple of the host count)")
+    c.add_argument("--row-group-size", type=int, default=1024, help="rows per row group")
+    c.add_argument("--seed", type=int, default=0, help="seed of the rows-to-shards assignment")
+    c.set_defaults(func=cmd_preprocess)
+
     c = sub.add_parser("demo", help="write the digits data and run the demo study locally")
     c.add_argument("--study-file", default=DEMO_STUDY)
     c.set_defaults(func=cmd_demo)
@@ -112,6 +121,10 @@ def cmd_run(args) -> int:
     check_storage(study)
     check_same_study(study)
     record = provenance.capture(os.getcwd(), study.study_uri)
+    from service.data.preprocess import record_in_study
+
+    for line in record_in_study(study):
+        print(line)
     print(
         f"provenance: commit {record['git_commit']}" + (" (dirty; diff saved)" if record["git_dirty"] else "")
     )
@@ -241,6 +254,27 @@ def cmd_data(args) -> int:
     written = write_digits(storage.absolute(args.uri))
     for split, files in written.items():
         print(f"{split}: {len(files)} files under {storage.join(storage.absolute(args.uri), split)}")
+    return 0
+
+
+def cmd_preprocess(args) -> int:
+    from service import storage, workloads
+    from service.data.preprocess import PROVENANCE_FILE, preprocess
+
+    dest = storage.absolute(args.dest)
+    record = preprocess(
+        workloads.get(args.workload),
+        storage.absolute(args.source),
+        dest,
+        num_files=args.num_files,
+        row_group_size=args.row_group_size,
+        seed=args.seed,
+    )
+    print(
+        f"preprocessed {sum(f['num_rows'] for f in record['source_files'])} rows of "
+        f"{len(record['source_files'])} files into {len(record['files'])} shards under {dest} "
+        f"({record['num_rows']} rows; provenance: {storage.join(dest, PROVENANCE_FILE)})"
+    )
     return 0
 
 

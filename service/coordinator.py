@@ -10,6 +10,7 @@ import ray
 from ray import tune
 
 from service import launch, spec, storage, tracking
+from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.analysis.verdicts import best_step_position
 from service.errors import PlaybookError
@@ -53,6 +54,7 @@ class ProgressCallback(tune.Callback):
                 best_step=result.get("best_step"),
                 best_checkpoint=result.get("best_checkpoint"),
                 diverged_at_step=result.get("diverged_at_step"),
+                **{k: result.get(k) for k in INPUT_ROW_FIELDS},
             )
             if status == "FINISHED" and row.get("best_step") is not None:
                 verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
@@ -184,7 +186,10 @@ def run_study(study: Study) -> list[dict]:
         raise PlaybookError(f"study {study.name!r} is already running on this cluster")
     except ValueError:
         pass
-    coordinator = Coordinator.options(name=name, namespace=NAMESPACE).remote(study)
+    env = storage.forwarded_env()  # merged into the job's runtime env (a gs:// emulator, ...)
+    coordinator = Coordinator.options(
+        name=name, namespace=NAMESPACE, **({"runtime_env": {"env_vars": env}} if env else {})
+    ).remote(study)
     try:
         return ray.get(coordinator.run.remote())
     finally:

@@ -16,6 +16,7 @@ from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from service import spec, storage
+from service.analysis.input_bound import trial_input_row
 from service.spec import Study
 from service.topology import Topology, host_ranks
 from service.trainer import checkpoint, loop
@@ -76,7 +77,17 @@ def train_worker(config: dict) -> None:
     quiet_train_console()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
-    loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device())
+    loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device(), batch_source(plan.study))
+
+
+def batch_source(study: Study) -> loop.BatchSource | None:
+    """Ray Data input workers when the study asks for them (else the loop's own prefetch)."""
+    inp = study.input
+    if inp.workers != "ray_data":
+        return None
+    from service.data.ray_input import ray_data_source
+
+    return ray_data_source(inp.num_input_workers, inp.cpus_per_input_worker, inp.prefetch_batches)
 
 
 def placement_strategy(scaling) -> str:
@@ -122,7 +133,12 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
             # Ray Train's per-report INFO lines would drown the coordinator's progress lines in
             # the job log; they still go to Ray's log files.
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker)))}},
+            worker_runtime_env={
+                "env_vars": {
+                    "OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker))),
+                    **storage.forwarded_env(),
+                }
+            },
         ),
     )
 
@@ -161,6 +177,7 @@ def summarize(plan: TrialPlan, result) -> dict:
         else None,
         "num_checkpoints": len(result.best_checkpoints),
         "diverged_at_step": last.get("diverged_at_step"),
+        **trial_input_row(plan.trial_name, history, plan.study),
     }
 
 

@@ -35,6 +35,40 @@ class Data:
 
 
 @dataclass(frozen=True)
+class InputPipeline:
+    """How each rank loads its training batches (see `service/data/loader.py`)."""
+
+    prefetch_batches: int = 2
+    """Batches a background thread prepares ahead of the step (0: no thread, the step waits
+    for each batch). Raise it when the input-bound verdict says prefetch is too shallow."""
+    shuffle_window_row_groups: int = 4
+    """Row groups whose rows are shuffled together (after shuffling the order of row groups
+    every epoch). Larger mixes better and holds more rows in memory per rank."""
+    input_bound_threshold: float = 0.2
+    """A trial is input-bound when its steps spend more than this fraction of their time
+    waiting for the next batch (`input/exposed_fraction`, over all ranks)."""
+    profile_steps: int = 0
+    """Trace this many training steps (after the first) with the torch profiler on rank 0 and
+    write `trials/<trial>/profile/rank0.trace.json` (open it in https://ui.perfetto.dev)."""
+
+    workers: Literal["local", "ray_data"] = "local"
+    """Who reads and preprocesses a rank's windows: `local` (its own prefetch thread) or
+    `ray_data` (a pool of Ray Data actors per rank, for CPU-heavy online preprocessing; the same
+    shards, seeds and batches, bit for bit)."""
+    num_input_workers: int = 2
+    """With `workers: ray_data`: Ray Data actors per training rank."""
+    cpus_per_input_worker: float = 1.0
+    """With `workers: ray_data`: CPUs reserved by each input actor (besides the trainers')."""
+
+    def errors(self):
+        yield from _positive(self, "num_input_workers", "cpus_per_input_worker")
+        yield from _non_negative(self, "prefetch_batches", "profile_steps")
+        yield from _positive(self, "shuffle_window_row_groups")
+        if not 0 < self.input_bound_threshold < 1:
+            yield "input_bound_threshold", f"must be in (0, 1) (got {self.input_bound_threshold})"
+
+
+@dataclass(frozen=True)
 class Scaling:
     num_hosts: int = 1
     """Hosts (Ray nodes) per trial."""
@@ -280,6 +314,8 @@ class Study:
     """Hosts and workers per trial."""
     find_steps: FindSteps | None = None
     """Settings of `playbook find-steps` (the max_train_steps finder)."""
+    input: InputPipeline = field(default_factory=InputPipeline)
+    """The input pipeline: prefetch depth, shuffle window, input-bound threshold, profiling."""
 
     def errors(self):
         if not NAME_RE.match(self.name):

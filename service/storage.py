@@ -23,6 +23,14 @@ def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     if "://" not in uri:
         return fsspec.filesystem("file"), os.path.abspath(uri)
     protocol = uri.split("://", 1)[0]
+    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # gcsfs picks its extended client at import time unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT
+        # was false by then; that client probes bucket types over gRPC, which an emulator does
+        # not serve. Take the plain client whatever the import order was.
+        from gcsfs.core import GCSFileSystem
+
+        fs = GCSFileSystem(**_options(protocol))
+        return fs, fs._strip_protocol(uri)
     try:
         fs, path = fsspec.core.url_to_fs(uri, **_options(protocol))
     except (ImportError, ValueError) as e:
@@ -35,6 +43,15 @@ def _options(protocol: str) -> dict:
         # An emulator on loopback (tests, local development): anonymous access.
         return {"token": "anon", "project": "test", "endpoint_url": os.environ["STORAGE_EMULATOR_HOST"]}
     return {}
+
+
+FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+"""Environment the storage layer reads, passed on to the Ray processes the service starts
+(coordinator, trials, training workers), which may not inherit the driver's environment."""
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
 def absolute(uri: str) -> str:

@@ -1,52 +1,108 @@
-"""gs:// for tests: gcp-storage-emulator on loopback, in memory, and the environment that points
-the service's gcsfs (service/storage.py) and every process started with it at the emulator."""
+"""A gcp-storage-emulator on a free loopback port, for gs:// tests through gcsfs.
+
+`gcs_emulator` (session fixture, from conftest) starts the emulator in a subprocess, sets the
+environment the service reads (STORAGE_EMULATOR_HOST; GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false,
+without which gcsfs spends 60 s on a gRPC bucket-type probe), creates a bucket and yields its
+gs:// root; at the end it stops the emulator by its pid and restores the environment.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
-from tests.conftest import free_ports
+BUCKET = "playbook-test"
+ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 
-BIN = os.path.dirname(sys.executable)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _executable() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
+    return here if os.path.exists(here) else shutil.which("gcp-storage-emulator") or here
+
+
+def start_emulator(log_path: str, default_bucket: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Start the emulator (in memory, with `default_bucket` created if given) and wait until it
+    answers; returns (process, endpoint)."""
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [_executable(), "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "-q"]
+        + ([f"--default-bucket={default_bucket}"] if default_bucket else []),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gcp-storage-emulator exited with {proc.returncode} (see {log_path})")
+        try:
+            urllib.request.urlopen(f"{endpoint}/storage/v1/b?project=test", timeout=1).read()
+            return proc, endpoint
+        except OSError:
+            time.sleep(0.2)
+    stop_emulator(proc)
+    raise RuntimeError(f"gcp-storage-emulator did not answer on {endpoint} within 30 s")
+
+
+def stop_emulator(proc: subprocess.Popen) -> None:
+    """Stop the emulator's process group (it was started in its own session) by its pid."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def emulated_bucket(tmp_dir: str) -> Iterator[str]:
+    """Generator behind the fixture: yields gs://BUCKET with the environment set."""
+    proc, endpoint = start_emulator(os.path.join(tmp_dir, "gcs-emulator.log"))
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ["STORAGE_EMULATOR_HOST"] = endpoint
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    try:
+        from service import storage
+
+        fs, _ = storage.split(f"gs://{BUCKET}")
+        fs.mkdir(BUCKET)
+        yield f"gs://{BUCKET}"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        stop_emulator(proc)
 
 
 @contextlib.contextmanager
-def gcs_emulator(bucket: str, log_path) -> Iterator[dict[str, str]]:
-    """An emulator with `bucket` created; yields the env vars that select it."""
-    port = free_ports(1)[0]
-    log = open(log_path, "w")
-    cmd = [f"{BIN}/gcp-storage-emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"]
-    proc = subprocess.Popen(
-        [*cmd, f"--default-bucket={bucket}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    endpoint = f"http://127.0.0.1:{port}"
+def emulator_env(bucket: str, log_path) -> Iterator[dict[str, str]]:
+    """An emulator with `bucket` created, for processes started with the yielded environment
+    (this process's own environment is left alone)."""
+    proc, endpoint = start_emulator(str(log_path), default_bucket=bucket)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/storage/v1/b/{bucket}", timeout=2)
-                break
-            except (OSError, urllib.error.HTTPError):
-                if time.time() > deadline or proc.poll() is not None:
-                    tail = open(log_path).read()[-2000:]
-                    raise RuntimeError(f"gcs emulator did not start: {tail}") from None
-                time.sleep(0.5)
-        # Without the last one gcsfs spends ~60 s probing the bucket type over gRPC.
         yield {"STORAGE_EMULATOR_HOST": endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
+        stop_emulator(proc)
 
 
 def read_object(endpoint: str, uri: str) -> bytes:

@@ -86,6 +86,17 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """gs://<bucket> on a gcp-storage-emulator on loopback (see tests/_gcs.py)."""
+    try:
+        from _gcs import emulated_bucket
+    except ImportError:
+        from tests._gcs import emulated_bucket
+
+    yield from emulated_bucket(str(tmp_path_factory.mktemp("gcs")))
+
+
 def free_ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):

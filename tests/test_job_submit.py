@@ -24,7 +24,7 @@ import yaml
 
 from service import spec
 from tests import _kuberay as kuberay
-from tests._gcs import gcs_emulator, list_objects, read_object
+from tests._gcs import emulator_env, list_objects, read_object
 from tests.conftest import free_ports, session_pids, study_dict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -223,7 +223,7 @@ def test_rayjob_entrypoint_runs_on_a_token_auth_head(tmp_path):
     data_root = os.path.dirname(study.data.train)
     assert {study.data.validation, study.data.test} == {f"{data_root}/validation", f"{data_root}/test"}
 
-    with gcs_emulator(bucket, tmp_path / "gcs.log") as gcs_env:
+    with emulator_env(bucket, tmp_path / "gcs.log") as gcs_env:
         client_env = {**os.environ, **gcs_env}
         client_env.pop("RAY_ADDRESS", None)
         client_env.pop("RAY_AUTH_TOKEN", None)

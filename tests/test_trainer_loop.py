@@ -99,7 +99,9 @@ def read_log(plan: TrialPlan) -> list[dict]:
 
 
 def without_timing(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "steps_per_s"}
+    from service.trainer.loop import TIMING_FIELDS
+
+    return {k: v for k, v in row.items() if k not in TIMING_FIELDS}
 
 
 @pytest.fixture(scope="module")

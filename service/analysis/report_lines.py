@@ -3,6 +3,7 @@ after each round and saves to `<study>/verdicts.json`)."""
 
 from __future__ import annotations
 
+from service.analysis.input_bound import row_verdicts
 from service.analysis.scientific import best_per_scientific, summary_sentence
 from service.analysis.verdicts import Verdict, study_verdicts
 from service.spec import Study
@@ -17,6 +18,7 @@ def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
     verdicts = study_verdicts(mine, study.search, study.training.mode)
     if kind == "extend":
         verdicts = [v for v in verdicts if v.kind == "best_step_position"]
+    verdicts += row_verdicts(mine)
     groups = best_per_scientific(mine, study.search, study.training.mode)
     return {
         "round": round_name,

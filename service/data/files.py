@@ -50,18 +50,67 @@ def list_files(uri: str) -> list[DataFile]:
 OPENED: list[str] = []
 
 
-def read_columns(file: DataFile, columns: tuple[str, ...]) -> pa.Table:
-    """Read only `columns` of one file (projection at read time)."""
-    OPENED.append(file.uri)
-    fs, path = storage.split(file.uri)
-    try:
-        with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            missing = [c for c in columns if c not in pf.schema_arrow.names]
-            if missing:
-                raise DataError(
-                    f"{file.uri}: missing column {missing[0]!r} (has: {', '.join(pf.schema_arrow.names)})"
-                )
-            return pf.read(columns=list(columns))
-    except (OSError, pa.ArrowException) as e:
-        raise DataError(f"{file.uri}: cannot read ({e})") from None
+class ParquetReader:
+    """Reads row groups of one file at a time, projecting `columns` at read time (the column
+    chunks of other columns are never fetched or decoded). Keeps the last file open, so
+    streaming its row groups in order opens it once. Every file must give each column the type
+    the first file gave it (a schema mismatch names the file and the column)."""
+
+    def __init__(self, columns: tuple[str, ...]):
+        self.columns = columns
+        self.expected: dict[str, tuple[pa.DataType, str]] = {}
+        self._uri: str | None = None
+        self._handle = None
+        self._file: pq.ParquetFile | None = None
+
+    def _open(self, uri: str) -> pq.ParquetFile:
+        if uri == self._uri and self._file is not None:
+            return self._file
+        self.close()
+        OPENED.append(uri)
+        fs, path = storage.split(uri)
+        try:
+            self._handle = fs.open(path, "rb")
+            self._file = pq.ParquetFile(self._handle)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"{uri}: not a readable parquet file ({e})") from None
+        self._uri = uri
+        self._check_schema(uri, self._file.schema_arrow)
+        return self._file
+
+    def _check_schema(self, uri: str, schema: pa.Schema) -> None:
+        for c in self.columns:
+            if c not in schema.names:
+                raise DataError(f"{uri}: missing column {c!r} (has: {', '.join(schema.names)})")
+            got = schema.field(c).type
+            want = self.expected.setdefault(c, (got, uri))
+            if got != want[0]:
+                raise DataError(f"{uri}: column {c!r} has type {got}, expected {want[0]} (as in {want[1]})")
+
+    def row_group_sizes(self, uri: str) -> list[int]:
+        """Rows per row group (footer only)."""
+        md = self._open(uri).metadata
+        return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+
+    def read_row_group(self, uri: str, index: int) -> pa.Table:
+        pf = self._open(uri)
+        try:
+            table = pf.read_row_group(index, columns=list(self.columns))
+        except (OSError, pa.ArrowException) as e:
+            bad = self._bad_column(pf, index)
+            raise DataError(f"{uri}: {bad}cannot read row group {index} ({e})") from None
+        return table
+
+    def _bad_column(self, pf: pq.ParquetFile, index: int) -> str:
+        """Which declared column fails to decode (read one at a time), as an error prefix."""
+        for c in self.columns:
+            try:
+                pf.read_row_group(index, columns=[c])
+            except (OSError, pa.ArrowException):
+                return f"column {c!r}: "
+        return ""
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._uri = self._handle = self._file = None

@@ -10,6 +10,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -19,7 +20,9 @@ from torch import nn
 from service import storage, workloads
 from service.data import files
 from service.data.files import list_files
-from service.data.loader import TrainStream, eval_batches
+from service.data.input_timer import InputTimer
+from service.data.loader import Batch, TrainStream, eval_batches, unused_columns
+from service.data.prefetch import prefetch
 from service.data.sharding import row_ranges, train_shard
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
@@ -31,6 +34,7 @@ from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
 from service.trainer import checkpoint, topology_record
 from service.trainer.checkpoint import TrialState
+from service.trainer.profiling import StepProfiler
 from service.trainer.rank0 import Rank0
 from service.trial import TrialPlan, best_row, worst
 
@@ -41,6 +45,15 @@ class Reporter(Protocol):
 
     def restore(self) -> TrialState | None:
         """The latest checkpoint's state, or None on a fresh start."""
+
+
+BatchSource = Callable[[TrainStream, int], Iterator[Batch]]
+"""(this rank's stream, first step) -> the batches of that step on. The default prefetches on a
+background thread; `service.data.ray_input` serves them from Ray Data input workers."""
+
+
+def local_batches(depth: int) -> BatchSource:
+    return lambda stream, start_step: prefetch(stream.iterate(start_step), depth)
 
 
 def distributed() -> bool:
@@ -80,7 +93,9 @@ def gather_rng_states() -> list[torch.Tensor]:
     return states
 
 
-def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> dict:
+def train(
+    plan: TrialPlan, topo: Topology, reporter: Reporter, device=None, batch_source: BatchSource | None = None
+) -> dict:
     """Run (or resume) one trial on this rank. Returns the trial summary."""
     device = device or torch.device("cpu")
     study, tr = plan.study, plan.study.training
@@ -103,18 +118,11 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     local_batch = tr.batch_size // topo.world_size
     my_data_seed = data_seed(plan.trial_seed, topo.host_rank, topo.local_rank)
     opened_before = len(files.OPENED)
-    stream = TrainStream(
-        workload,
-        train_shard(
-            list_files(study.data.train),
-            topo.num_hosts,
-            topo.host_rank,
-            topo.workers_per_host,
-            topo.local_rank,
-        ),
-        local_batch,
-        my_data_seed,
+    shard = train_shard(
+        list_files(study.data.train), topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank
     )
+    stream = TrainStream(workload, shard, local_batch, my_data_seed, study.input.shuffle_window_row_groups)
+    unused = ",".join(unused_columns(workload, shard))
     val_files = list_files(study.data.validation)
     val_ranges = row_ranges(val_files, topo.world_rank, topo.world_size)
     sample = plan_sample(sum(f.num_rows for f in val_files), tr, topo.world_rank, topo.world_size)
@@ -151,11 +159,21 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
     loss_sum, loss_count, first_bad_step = 0.0, 0, math.inf
     interval_start = time.perf_counter()
     steps_in_interval = 0
+    batches = (batch_source or local_batches(study.input.prefetch_batches))(stream, step)
+    timer = InputTimer()
+    profiler = StepProfiler(
+        storage.join(plan.trial_uri, "profile", "rank0.trace.json"),
+        study.input.profile_steps,
+        first_step=step + 1,
+    )
     while step < max_steps:
         lr = base_lr * lr_factor(step, max_steps, plan.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = {k: v.to(device, non_blocking=True) for k, v in stream.batch(step).items()}
+        rank0.run(profiler.before_step, step)
+        timer.begin_step()
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        timer.got_batch()
         loss = workload.loss(workload.forward(ddp, batch), batch).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -163,6 +181,8 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         step += 1
         steps_in_interval += 1
         loss_value = float(loss.detach())
+        timer.end_step()
+        rank0.run(profiler.after_step, step)
         if not math.isfinite(loss_value):
             first_bad_step = min(first_bad_step, step)
         if math.isfinite(loss_value):
@@ -174,12 +194,15 @@ def train(plan: TrialPlan, topo: Topology, reporter: Reporter, device=None) -> d
         # 4. Evaluation point: agree on divergence, sync BN stats, evaluate, checkpoint, report.
         elapsed_s = time.perf_counter() - interval_start
         bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
-        loss_total, loss_n, bad = all_reduce_sum([loss_sum, loss_count, bad_flag], device)
+        loss_total, loss_n, bad, *input_s = all_reduce_sum(
+            [loss_sum, loss_count, bad_flag, *timer.take(), *stream.stats.take()], device
+        )
         row = {
             "step": step,
             "learning_rate": lr,
             "train/loss": loss_total / loss_n if loss_n else math.nan,
             "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9),
+            **input_fields(input_s, unused),
         }
         if bad:  # every rank agrees (a reduced value), so every rank takes this branch
             diverged_at = int(all_reduce_min(first_bad_step, device))
@@ -260,6 +283,30 @@ def run_evals(plan, workload, model, topo, val_ranges, sample, batch_size, step,
                     flush=True,
                 )
     return fields
+
+
+TIMING_FIELDS = (
+    "steps_per_s",
+    "input/exposed_fraction",
+    "input/wait_s",
+    "input/step_s",
+    "input/read_s",
+    "input/preprocess_s",
+)
+"""Metrics-log fields that are wall-clock measurements: they differ between identical runs."""
+
+
+def input_fields(sums: list[float], unused: str) -> dict:
+    """The interval's input timings, summed over ranks (see `service.analysis.input_bound`)."""
+    wait_s, step_s, read_s, preprocess_s = sums
+    return {
+        "input/exposed_fraction": wait_s / step_s if step_s > 0 else 0.0,
+        "input/wait_s": wait_s,
+        "input/step_s": step_s,
+        "input/read_s": read_s,
+        "input/preprocess_s": preprocess_s,
+        "input/unused_columns": unused,
+    }
 
 
 def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:

@@ -44,6 +44,11 @@ class Workload(abc.ABC):
     def metrics(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-example evaluation metrics, each shape [batch]; averaged over real examples."""
 
+    def preprocess(self, table: pa.Table) -> pa.Table:
+        """Offline preprocessing (`playbook preprocess`), once per row group of the raw data:
+        raw columns -> the declared `columns`, vectorised. Default: the columns as they are."""
+        return table.select(list(self.columns))
+
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(batch["features"])
 

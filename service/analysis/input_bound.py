@@ -1,0 +1,143 @@
+"""Input-bound verdict: "diagnose input-bound pipelines ... prefetch, drop unused features as
+early as possible, preprocess offline, keep data close" (the playbook's input-pipeline advice).
+
+Every rank times how long each step waits for its batch (`input/wait_s`) against the whole
+step (`input/step_s`); the loader times its own reads (`input/read_s`, parquet I/O and decode)
+and the workload's online preprocessing (`input/preprocess_s`). The loop sums these over ranks
+for each eval interval into the metrics log. The trial's `input/exposed_fraction` is the
+total wait over the total step time; above the study's `input.input_bound_threshold` the trial
+is input-bound, and the numbers name the likely cause and the remedy:
+
+* unused columns read -> drop them from the workload's declared columns;
+* the loader produces a batch faster than a step consumes it, yet steps wait -> the prefetch
+  queue is too shallow for the loader's bursts (one window at a time): raise prefetch_batches;
+* reading dominates -> remote I/O: cache the data on local disk or colocate it with the
+  cluster (local storage: faster disk, fewer and larger row groups);
+* preprocessing dominates -> heavy online preprocessing: move it offline with
+  `playbook preprocess`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from service.analysis.verdicts import OK, WARNING, Verdict, _verdict
+
+INPUT_ROW_FIELDS = ("input/exposed_fraction", "input/bound", "input/verdict")
+"""The trial-table columns of this verdict."""
+SUMS = ("input/wait_s", "input/step_s", "input/read_s", "input/preprocess_s")
+
+
+@dataclass(frozen=True)
+class InputTotals:
+    """A trial's input timings summed over ranks and eval intervals (seconds)."""
+
+    wait_s: float
+    step_s: float
+    read_s: float
+    preprocess_s: float
+    unused_columns: tuple[str, ...] = ()
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
+
+    @classmethod
+    def from_history(cls, history: Iterable[Mapping[str, Any]]) -> InputTotals | None:
+        """Sum the metrics-log rows that carry input timings (None when none does)."""
+        rows = [r for r in history if isinstance(r.get("input/step_s"), int | float)]
+        if not rows:
+            return None
+        sums = [sum(float(r.get(k) or 0.0) for r in rows) for k in SUMS]
+        unused = sorted({c for r in rows for c in (r.get("input/unused_columns") or "").split(",") if c})
+        return cls(*sums, unused_columns=tuple(unused))
+
+
+def input_bound(
+    trial_name: str, totals: InputTotals, threshold: float, remote: bool, prefetch_batches: int
+) -> Verdict:
+    """OK below `threshold`; otherwise a warning naming the likely cause and its remedy."""
+    fraction = totals.exposed_fraction
+    facts = {
+        "exposed_fraction": fraction,
+        "threshold": threshold,
+        "wait_s": totals.wait_s,
+        "step_s": totals.step_s,
+        "read_s": totals.read_s,
+        "preprocess_s": totals.preprocess_s,
+    }
+    share = f"{fraction:.0%} of its step time waiting for input"
+    if fraction <= threshold:
+        return _verdict("input_bound", trial_name, OK, f"{trial_name} spends {share}.", cause="none", **facts)
+    cause, remedy = likely_cause(totals, remote, prefetch_batches)
+    return _verdict(
+        "input_bound",
+        trial_name,
+        WARNING,
+        f"{trial_name} is input-bound: it spends {share} (threshold {threshold:.0%}); likely cause: {remedy}",
+        cause=cause,
+        **facts,
+    )
+
+
+def likely_cause(totals: InputTotals, remote: bool, prefetch_batches: int) -> tuple[str, str]:
+    """(cause, sentence with the remedy), the most specific first."""
+    if totals.unused_columns:
+        cols = ", ".join(totals.unused_columns)
+        return "unused_columns", (
+            f"columns the workload declares but never uses are read ({cols}): drop them from its columns."
+        )
+    compute_s = totals.step_s - totals.wait_s
+    produce_s = totals.read_s + totals.preprocess_s
+    if produce_s < compute_s:
+        return "prefetch_too_shallow", (
+            f"the loader needs {produce_s:.3g} s for what the steps compute in {compute_s:.3g} s, "
+            f"yet steps wait: prefetch is too shallow for its bursts; raise input.prefetch_batches "
+            f"(now {prefetch_batches})."
+        )
+    if totals.read_s >= totals.preprocess_s:
+        if remote:
+            return "remote_io", (
+                f"reading the data takes {totals.read_s:.3g} s (remote storage): cache it on local "
+                "disk or colocate the data with the cluster."
+            )
+        return "slow_reads", (
+            f"reading the data takes {totals.read_s:.3g} s: put it on faster disk, or write fewer, "
+            "larger row groups."
+        )
+    return "online_preprocessing", (
+        f"the workload's online preprocessing takes {totals.preprocess_s:.3g} s: move it offline "
+        "with `playbook preprocess`."
+    )
+
+
+def is_remote(uri: str) -> bool:
+    """Data behind a network (anything but local paths and memory://)."""
+    return "://" in uri and uri.split("://", 1)[0] not in ("file", "local", "memory")
+
+
+def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study) -> dict:
+    """The trial-table fields of a trial's metrics log: `input/exposed_fraction`,
+    `input/bound` and `input/verdict` (the message); {} when the log has no input timings."""
+    totals = InputTotals.from_history(history)
+    if totals is None:
+        return {}
+    v = input_bound(
+        trial_name,
+        totals,
+        study.input.input_bound_threshold,
+        is_remote(study.data.train),
+        study.input.prefetch_batches,
+    )
+    return dict(zip(INPUT_ROW_FIELDS, (totals.exposed_fraction, v.is_warning, v.message), strict=True))
+
+
+def row_verdicts(rows: Iterable[Mapping[str, Any]]) -> list[Verdict]:
+    """The input-bound warnings recorded in trial rows (for the round's verdicts)."""
+    return [
+        _verdict("input_bound", str(r["trial_name"]), WARNING, str(r["input/verdict"]))
+        for r in rows
+        if r.get("input/bound")
+    ]

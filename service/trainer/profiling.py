@@ -1,0 +1,37 @@
+"""Optional torch-profiler trace of a few training steps (`input.profile_steps`), written by
+rank 0 to `trials/<trial>/profile/rank0.trace.json` in the trial's storage: a Chrome trace that
+https://ui.perfetto.dev opens, showing where a step waits for input and where it computes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from torch.profiler import ProfilerActivity, profile
+
+from service import storage
+
+
+class StepProfiler:
+    """Profiles steps [first_step, first_step + num_steps) of this process, then writes the
+    trace to `uri`. With num_steps 0 (or not rank 0) it does nothing."""
+
+    def __init__(self, uri: str, num_steps: int, first_step: int):
+        self.uri, self.first, self.last = uri, first_step, first_step + num_steps
+        self._prof = None
+
+    def before_step(self, step: int) -> None:
+        if step == self.first and self.last > self.first:
+            self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+            self._prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        """`step` is the number of steps done."""
+        if self._prof is not None and step >= self.last:
+            self._prof.__exit__(None, None, None)
+            with tempfile.TemporaryDirectory(prefix="playbook-trace-") as tmp:
+                path = os.path.join(tmp, "trace.json")
+                self._prof.export_chrome_trace(path)
+                with open(path, "rb") as f:
+                    storage.write_bytes_atomic(self.uri, f.read())
+            self._prof = None
