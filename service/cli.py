@@ -211,6 +211,10 @@ def cmd_eval(args) -> int:
     uri = storage.absolute(args.checkpoint_uri)
     if not storage.exists(storage.join(uri, "state.pt")):
         raise StudyNotFound(f"{args.checkpoint_uri}: no checkpoint there (no state.pt)")
+    from service.trainer import checkpoint
+
+    # A torn checkpoint (no manifest, or files that differ from it): one line, nothing started.
+    checkpoint.verify(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
     study = stored_study(locate(uri)[0])
     split_uri(study, args.split)  # the split exists
     connect_ray()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 
 import ray
@@ -16,6 +17,7 @@ from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from service import spec, storage
+from service.errors import CheckpointError
 from service.spec import Study
 from service.topology import Topology, host_ranks
 from service.trainer import checkpoint, loop
@@ -38,7 +40,23 @@ class RayTrainReporter:
         if ckpt is None:
             return None
         with ckpt.as_directory() as d:
-            return checkpoint.load(d)
+            try:
+                return checkpoint.load(d)
+            except CheckpointError as e:
+                # Ray's latest registered checkpoint is torn on storage: resume from the newest
+                # committed one beside it instead (never from a half-written one).
+                local = ckpt.filesystem.type_name == "local"
+                fallback = _newest_committed_sibling(ckpt.path) if local else None
+                if fallback is None:
+                    raise
+                print(f"warning: {e}; resuming from {fallback}", flush=True)
+                return checkpoint.load(fallback)
+
+
+def _newest_committed_sibling(path: str) -> str | None:
+    parent = os.path.dirname(path.rstrip("/"))
+    siblings = [os.path.join(parent, d) for d in os.listdir(parent) if d.startswith("checkpoint_")]
+    return checkpoint.latest_complete([d for d in siblings if os.path.isdir(d)])
 
 
 def worker_topology() -> Topology:
@@ -149,7 +167,8 @@ def summarize(plan: TrialPlan, result) -> dict:
     tr = plan.study.training
     history = read_metrics_log(plan)
     best = best_row(history, tr.metric, tr.mode)
-    by_step = {m.get("step"): c for c, m in result.best_checkpoints}
+    # Only committed checkpoints can be the trial's best (a torn one on storage never is).
+    by_step = {m.get("step"): c for c, m in result.best_checkpoints if is_committed(_uri(plan.study, c.path))}
     last = history[-1] if history else {}
     return {
         tr.metric: best[tr.metric] if best else worst(tr.mode),
@@ -162,6 +181,15 @@ def summarize(plan: TrialPlan, result) -> dict:
         "num_checkpoints": len(result.best_checkpoints),
         "diverged_at_step": last.get("diverged_at_step"),
     }
+
+
+def is_committed(checkpoint_uri: str) -> bool:
+    """Whether the checkpoint at a storage URI is whole (its manifest matches its files)."""
+    try:
+        checkpoint.verify(checkpoint_uri, lambda name: storage.read_bytes(storage.join(checkpoint_uri, name)))
+    except CheckpointError:
+        return False
+    return True
 
 
 def read_metrics_log(plan: TrialPlan) -> list[dict]:
