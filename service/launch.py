@@ -158,6 +158,7 @@ def tune_trial(config: dict, study: Study) -> None:
         schedule=spec.schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
     )
     result = trainer_for(plan, in_tune=True).fit()
+    prune_unregistered(plan, result)
     ray.tune.report({**summarize(plan, result), "summary": True})
 
 
@@ -181,6 +182,26 @@ def summarize(plan: TrialPlan, result) -> dict:
         "num_checkpoints": len(result.best_checkpoints),
         "diverged_at_step": last.get("diverged_at_step"),
     }
+
+
+def prune_unregistered(plan: TrialPlan, result) -> list[str]:
+    """Remove the trial's checkpoint directories that Ray never registered: those a worker
+    persisted after its driver or controller died (Ray's snapshot does not know them, so its
+    retention never deletes them). Returns the removed paths."""
+    kept = {c.path.rstrip("/") for c, _ in result.best_checkpoints}
+    fs, trial_path = storage.split(plan.trial_uri)
+    try:
+        entries = fs.ls(trial_path, detail=True)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for e in entries:
+        name = e["name"].rstrip("/")
+        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith("checkpoint_"):
+            if name.lstrip("/") not in {k.lstrip("/") for k in kept}:
+                fs.rm(name, recursive=True)
+                removed.append(name)
+    return removed
 
 
 def is_committed(checkpoint_uri: str) -> bool:
@@ -207,7 +228,9 @@ def _uri(study: Study, path: str) -> str:
 
 def run_single(plan: TrialPlan):
     """One trial as a plain Ray Train run, outside Tune."""
-    return trainer_for(plan, in_tune=False).fit()
+    result = trainer_for(plan, in_tune=False).fit()
+    prune_unregistered(plan, result)
+    return result
 
 
 def eval_worker(config: dict) -> None:
