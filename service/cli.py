@@ -102,6 +102,15 @@ def connect_ray() -> None:
         )
 
 
+def check_cluster(study: spec.Study) -> None:
+    """The connected Ray cluster can hold one trial of the study (refused before it starts)."""
+    import ray
+
+    from service.checks import check_resources
+
+    check_resources(study, ray.nodes())
+
+
 def cmd_run(args) -> int:
     from service import provenance
     from service.checks import check_data, check_same_study, check_storage
@@ -111,11 +120,12 @@ def cmd_run(args) -> int:
     check_data(study)
     check_storage(study)
     check_same_study(study)
+    connect_ray()
+    check_cluster(study)  # before anything is written
     record = provenance.capture(os.getcwd(), study.study_uri)
     print(
         f"provenance: commit {record['git_commit']}" + (" (dirty; diff saved)" if record["git_dirty"] else "")
     )
-    connect_ray()
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)
     print_verdicts(study.study_uri)
@@ -189,6 +199,7 @@ def cmd_find_steps(args) -> int:
     check_storage(sweep)
     check_same_study(sweep)
     connect_ray()
+    check_cluster(sweep)
     rows = run_study(sweep)
     threshold = study.find_steps.train_loss_threshold
     fits = {}
