@@ -532,3 +532,11 @@ def test_as_real_subprocesses(tmp_path_factory, digits_dir):
         assert out == "" and len(err.splitlines()) == 1, (name, err)
         assert err.startswith(f"playbook: error: {expected}"), (name, err)
         assert snapshot(str(tmp)) == before, name
+
+
+def test_the_readme_counts_this_corpus():
+    """The README's summary (python -m tests.reliability_counts) is current for this corpus."""
+    assert len(BAD) >= 40
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        readme = f.read()
+    assert f"checkpoints): {len(BAD)}\n" in readme
