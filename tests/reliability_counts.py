@@ -17,7 +17,7 @@ FAULT_TESTS = {
     "preempted trial resumed (model, optimizer, schedule, RNG, data position)": (
         "tests/test_trainer_loop.py::test_resume_matches_uninterrupted_run"
     ),
-    "resume uses each restored part (exact resume + one part changed at a time)": "tests/test_resume_contract.py",
+    "resume uses each restored part (exact, then one part changed)": "tests/test_resume_contract.py",
 }
 BAD_INPUT_TESTS = {
     "bad-input corpus (study file, workload, data, storage, resources, checkpoints)": (
