@@ -50,11 +50,15 @@ def check_workload(study: Study) -> None:
 
 
 def check_data(study: Study) -> None:
+    """Every file of every split has the workload's columns, with the same types as the split's
+    first non-empty file, whose first row the workload turns into a batch (footers only, and
+    one row). A split needs rows; the training files must cover the hosts."""
     workload = workloads.get(study.workload)
     for split in ("train", "validation", "test"):
         if getattr(study.data, split) is None:
             continue
         files = list_files(getattr(study.data, split))
+        reference = None
         for f in files:
             fs, path = storage.split(f.uri)
             with fs.open(path, "rb") as fh:
@@ -66,8 +70,18 @@ def check_data(study: Study) -> None:
                         f"{f.uri}: missing column {missing[0]!r} needed by workload "
                         f"{workload.name} (has: {', '.join(names)})"
                     )
-                if f.num_rows:
+                types = [pf.schema_arrow.field(c).type for c in workload.columns]
+                if reference is None and f.num_rows:
                     _check_first_row(f.uri, pf, workload)
+                    reference = (f.uri, types)
+                elif reference is not None and types != reference[1]:
+                    c, t = next(
+                        (c, t)
+                        for c, t, r in zip(workload.columns, types, reference[1], strict=True)
+                        if t != r
+                    )
+                    want = reference[1][list(workload.columns).index(c)]
+                    raise DataError(f"{f.uri}: column {c!r} is {t}, but {want} in {reference[0]}")
         if not sum(f.num_rows for f in files):
             raise DataError(f"{getattr(study.data, split)}: the {split} split has no rows")
         if split == "train" and len(files) < study.scaling.num_hosts:

@@ -10,7 +10,8 @@ import sys
 FAULT_TESTS = {
     "training worker SIGKILLed mid-run": "tests/test_fault_worker_kill.py",
     "host removed from a 2-host trial, replacement added": "tests/test_fault_node_removed.py",
-    "driver (`playbook run`) SIGKILLed mid-study, rerun": "tests/test_fault_driver_kill.py",
+    "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; "
+    "a torn checkpoint on Ray storage": "tests/test_fault_driver_kill.py",
     "crash while a checkpoint is written / copied": "tests/test_fault_checkpoint_commit.py",
     "storage write errors (transient, persistent, permission denied)": "tests/test_fault_storage.py",
     "NaN loss (trainer level)": "tests/test_trainer_loop.py::test_nan_loss_ends_trial_as_diverged",
