@@ -8,6 +8,7 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 import pyarrow as pa
@@ -324,7 +325,7 @@ def _(c):
 
 @case("storage-permission-denied")
 def _(c):
-    c.raw["storage"] = unwritable_dir(c.tmp_path)
+    c.raw["storage"] = unwritable_dir(Path(c.root))
     return run(c), "storage"
 
 

@@ -34,7 +34,6 @@ def snapshot(*roots: str) -> dict:
 
 def prepare(name, fn, tmp_path, digits_dir) -> tuple[Case, list[str], str | None]:
     c = Case(str(tmp_path), str(digits_dir), study_dict(digits_dir, tmp_path / "storage"))
-    c.tmp_path = tmp_path
     c.study_file = str(tmp_path / "study.yaml")
     argv, expected = fn(c)
     if not os.path.isdir(c.study_file) and c.study_file == str(tmp_path / "study.yaml"):
