@@ -50,19 +50,40 @@ def check_workload(study: Study) -> None:
 
 
 def check_data(study: Study) -> None:
+    """Every file of every split has the workload's columns, with the same types as the split's
+    first non-empty file, whose first row the workload turns into a batch (footers only, and
+    one row). A split needs rows; the training files must cover the hosts."""
     workload = workloads.get(study.workload)
-    for split in ("train", "validation"):
+    for split in ("train", "validation", "test"):
+        if getattr(study.data, split) is None:
+            continue
         files = list_files(getattr(study.data, split))
+        reference = None
         for f in files:
             fs, path = storage.split(f.uri)
             with fs.open(path, "rb") as fh:
-                names = pq.ParquetFile(fh).schema_arrow.names
-            missing = [c for c in workload.columns if c not in names]
-            if missing:
-                raise DataError(
-                    f"{f.uri}: missing column {missing[0]!r} needed by workload "
-                    f"{workload.name} (has: {', '.join(names)})"
-                )
+                pf = pq.ParquetFile(fh)
+                names = pf.schema_arrow.names
+                missing = [c for c in workload.columns if c not in names]
+                if missing:
+                    raise DataError(
+                        f"{f.uri}: missing column {missing[0]!r} needed by workload "
+                        f"{workload.name} (has: {', '.join(names)})"
+                    )
+                types = [pf.schema_arrow.field(c).type for c in workload.columns]
+                if reference is None and f.num_rows:
+                    _check_first_row(f.uri, pf, workload)
+                    reference = (f.uri, types)
+                elif reference is not None and types != reference[1]:
+                    c, t = next(
+                        (c, t)
+                        for c, t, r in zip(workload.columns, types, reference[1], strict=True)
+                        if t != r
+                    )
+                    want = reference[1][list(workload.columns).index(c)]
+                    raise DataError(f"{f.uri}: column {c!r} is {t}, but {want} in {reference[0]}")
+        if not sum(f.num_rows for f in files):
+            raise DataError(f"{getattr(study.data, split)}: the {split} split has no rows")
         if split == "train" and len(files) < study.scaling.num_hosts:
             raise DataError(
                 f"{study.data.train}: {len(files)} training files cannot be sharded "
@@ -70,14 +91,87 @@ def check_data(study: Study) -> None:
             )
 
 
+def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:
+    """The workload turns the file's first row into a batch (right column types and shapes)."""
+    try:
+        row = pf.read_row_group(0, columns=list(workload.columns)).slice(0, 1)
+        workload.to_batch(row)
+    except Exception as e:  # whatever the workload's conversion raises on a bad value
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{uri}: not readable as workload {workload.name} input ({message})") from None
+
+
+def check_resources(study: Study, nodes: list[dict]) -> None:
+    """The connected cluster (`ray.nodes()`) can place one trial; refused before any trial
+    starts, naming the scaling field that asks too much."""
+    s = study.scaling
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    gpus = sum(r.get("GPU", 0) for r in alive)
+    if s.use_gpu and not gpus:
+        raise SpecError("scaling.use_gpu: true, but the Ray cluster has no GPU")
+    largest = max((r.get("CPU", 0) for r in alive), default=0)
+    if s.cpus_per_worker > largest:
+        raise SpecError(
+            f"scaling.cpus_per_worker: {s.cpus_per_worker:g} CPUs per worker, but the largest "
+            f"node of the Ray cluster has {largest:g}"
+        )
+    total = sum(r.get("CPU", 0) for r in alive)
+    if s.world_size * s.cpus_per_worker > total:
+        raise SpecError(
+            f"scaling.workers_per_host: {s.num_hosts} x {s.workers_per_host} workers x "
+            f"{s.cpus_per_worker:g} CPUs = {s.world_size * s.cpus_per_worker:g} CPUs, but the "
+            f"Ray cluster has {total:g}"
+        )
+    if s.use_gpu and s.world_size > gpus:
+        raise SpecError(
+            f"scaling.workers_per_host: {s.world_size} GPU workers, but the Ray cluster has {gpus:g} GPUs"
+        )
+    hosts = [r for r in alive if r.get("CPU", 0) >= s.cpus_per_worker and (not s.use_gpu or r.get("GPU", 0))]
+    if s.num_hosts > len(hosts):
+        raise SpecError(
+            f"scaling.num_hosts: {s.num_hosts} hosts, but only {len(hosts)} node(s) of the Ray "
+            "cluster can hold a worker"
+        )
+
+
+def check_stored_study(study: Study) -> None:
+    """A rerun resumes from the stored trial table: it must be readable."""
+    uri = storage.join(study.study_uri, "trials.parquet")
+    if storage.exists(uri):
+        import io
+
+        try:
+            pq.read_table(io.BytesIO(storage.read_bytes(uri)))
+        except Exception as e:
+            raise StorageError(
+                f"{uri}: the stored trial table is unreadable ({str(e).splitlines()[0]})"
+            ) from None
+
+
 def check_storage(study: Study) -> None:
+    """Write and remove a probe file in the study folder; folders the probe created are
+    removed again, so a refused study leaves no trace."""
     probe = storage.join(study.study_uri, f".write-probe-{uuid.uuid4().hex[:8]}")
     try:
-        storage.write_bytes_atomic(probe, b"ok")
         fs, path = storage.split(probe)
+    except StorageError as e:
+        raise StorageError(f"storage: {study.storage} is not usable ({e})") from None
+    created = []
+    parent = path.rsplit("/", 1)[0]
+    while "/" in parent.strip("/") and not fs.exists(parent):
+        created.append(parent)
+        parent = parent.rsplit("/", 1)[0]
+    try:
+        storage.write_bytes_atomic(probe, b"ok")
         fs.rm(path)
     except (StorageError, OSError) as e:
         raise StorageError(f"storage: {study.storage} is not writable ({e})") from None
+    finally:
+        for folder in created:  # innermost first; only empty folders go
+            try:
+                fs.rmdir(folder)
+            except OSError:
+                break
 
 
 def check_same_study(study: Study) -> None:
@@ -88,7 +182,12 @@ def check_same_study(study: Study) -> None:
         return
     from service import spec
 
-    stored = spec.load_text(storage.read_bytes(stored_uri).decode(), source=stored_uri)
+    try:
+        text = storage.read_bytes(stored_uri).decode()
+    except UnicodeDecodeError:
+        raise SpecError(f"{stored_uri}: the stored study file is not UTF-8 text") from None
+    stored = spec.load_text(text, source=stored_uri)
+    check_stored_study(study)
     if stored != study:
         changed = sorted(k for k, v in spec.to_dict(study).items() if spec.to_dict(stored).get(k) != v)
         raise SpecError(

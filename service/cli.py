@@ -111,6 +111,15 @@ def connect_ray() -> None:
         )
 
 
+def check_cluster(study: spec.Study) -> None:
+    """The connected Ray cluster can hold one trial of the study (refused before it starts)."""
+    import ray
+
+    from service.checks import check_resources
+
+    check_resources(study, ray.nodes())
+
+
 def cmd_run(args) -> int:
     from service import provenance
     from service.checks import check_data, check_same_study, check_storage
@@ -120,6 +129,8 @@ def cmd_run(args) -> int:
     check_data(study)
     check_storage(study)
     check_same_study(study)
+    connect_ray()
+    check_cluster(study)  # before anything is written
     record = provenance.capture(os.getcwd(), study.study_uri)
     from service.data.preprocess import record_in_study
 
@@ -128,7 +139,6 @@ def cmd_run(args) -> int:
     print(
         f"provenance: commit {record['git_commit']}" + (" (dirty; diff saved)" if record["git_dirty"] else "")
     )
-    connect_ray()
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)
     print_verdicts(study.study_uri)
@@ -202,6 +212,7 @@ def cmd_find_steps(args) -> int:
     check_storage(sweep)
     check_same_study(sweep)
     connect_ray()
+    check_cluster(sweep)
     rows = run_study(sweep)
     threshold = study.find_steps.train_loss_threshold
     fits = {}
@@ -224,6 +235,10 @@ def cmd_eval(args) -> int:
     uri = storage.absolute(args.checkpoint_uri)
     if not storage.exists(storage.join(uri, "state.pt")):
         raise StudyNotFound(f"{args.checkpoint_uri}: no checkpoint there (no state.pt)")
+    from service.trainer import checkpoint
+
+    # A torn checkpoint (no manifest, or files that differ from it): one line, nothing started.
+    checkpoint.verify(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
     study = stored_study(locate(uri)[0])
     split_uri(study, args.split)  # the split exists
     connect_ray()

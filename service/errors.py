@@ -21,3 +21,7 @@ class StorageError(PlaybookError):
 
 class StudyNotFound(PlaybookError):
     """No running coordinator and no stored study under that name."""
+
+
+class CheckpointError(PlaybookError):
+    """A checkpoint directory is incomplete (no manifest, or files that do not match it)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 
 import ray
@@ -17,6 +18,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from service import spec, storage
 from service.analysis.input_bound import trial_input_row
+from service.errors import CheckpointError
 from service.spec import Study
 from service.topology import Topology, host_ranks
 from service.trainer import checkpoint, loop
@@ -39,7 +41,23 @@ class RayTrainReporter:
         if ckpt is None:
             return None
         with ckpt.as_directory() as d:
-            return checkpoint.load(d)
+            try:
+                return checkpoint.load(d)
+            except CheckpointError as e:
+                # Ray's latest registered checkpoint is torn on storage: resume from the newest
+                # committed one beside it instead (never from a half-written one).
+                local = ckpt.filesystem.type_name == "local"
+                fallback = _newest_committed_sibling(ckpt.path) if local else None
+                if fallback is None:
+                    raise
+                print(f"warning: {e}; resuming from {fallback}", flush=True)
+                return checkpoint.load(fallback)
+
+
+def _newest_committed_sibling(path: str) -> str | None:
+    parent = os.path.dirname(path.rstrip("/"))
+    siblings = [os.path.join(parent, d) for d in os.listdir(parent) if d.startswith("checkpoint_")]
+    return checkpoint.latest_complete([d for d in siblings if os.path.isdir(d)])
 
 
 def worker_topology() -> Topology:
@@ -156,6 +174,7 @@ def tune_trial(config: dict, study: Study) -> None:
         schedule=spec.schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
     )
     result = trainer_for(plan, in_tune=True).fit()
+    prune_unregistered(plan, result)
     ray.tune.report({**summarize(plan, result), "summary": True})
 
 
@@ -165,7 +184,8 @@ def summarize(plan: TrialPlan, result) -> dict:
     tr = plan.study.training
     history = read_metrics_log(plan)
     best = best_row(history, tr.metric, tr.mode)
-    by_step = {m.get("step"): c for c, m in result.best_checkpoints}
+    # Only committed checkpoints can be the trial's best (a torn one on storage never is).
+    by_step = {m.get("step"): c for c, m in result.best_checkpoints if is_committed(_uri(plan.study, c.path))}
     last = history[-1] if history else {}
     return {
         tr.metric: best[tr.metric] if best else worst(tr.mode),
@@ -179,6 +199,35 @@ def summarize(plan: TrialPlan, result) -> dict:
         "diverged_at_step": last.get("diverged_at_step"),
         **trial_input_row(plan.trial_name, history, plan.study),
     }
+
+
+def prune_unregistered(plan: TrialPlan, result) -> list[str]:
+    """Remove the trial's checkpoint directories that Ray never registered: those a worker
+    persisted after its driver or controller died (Ray's snapshot does not know them, so its
+    retention never deletes them). Returns the removed paths."""
+    kept = {c.path.rstrip("/") for c, _ in result.best_checkpoints}
+    fs, trial_path = storage.split(plan.trial_uri)
+    try:
+        entries = fs.ls(trial_path, detail=True)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for e in entries:
+        name = e["name"].rstrip("/")
+        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith("checkpoint_"):
+            if name.lstrip("/") not in {k.lstrip("/") for k in kept}:
+                fs.rm(name, recursive=True)
+                removed.append(name)
+    return removed
+
+
+def is_committed(checkpoint_uri: str) -> bool:
+    """Whether the checkpoint at a storage URI is whole (its manifest matches its files)."""
+    try:
+        checkpoint.verify(checkpoint_uri, lambda name: storage.read_bytes(storage.join(checkpoint_uri, name)))
+    except CheckpointError:
+        return False
+    return True
 
 
 def read_metrics_log(plan: TrialPlan) -> list[dict]:
@@ -196,7 +245,9 @@ def _uri(study: Study, path: str) -> str:
 
 def run_single(plan: TrialPlan):
     """One trial as a plain Ray Train run, outside Tune."""
-    return trainer_for(plan, in_tune=False).fit()
+    result = trainer_for(plan, in_tune=False).fit()
+    prune_unregistered(plan, result)
+    return result
 
 
 def eval_worker(config: dict) -> None:

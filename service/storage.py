@@ -7,9 +7,13 @@ GCS client (different auth, no emulator support).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import time
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import fsspec
 import pyarrow.fs as pafs
@@ -83,23 +87,55 @@ def _audit(uri: str) -> None:
             f.write(uri + "\n")
 
 
+T = TypeVar("T")
+PERMANENT_ERRORS = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+"""Errors that a retry cannot fix; every other OSError (a dropped connection, a timeout, a 5xx
+from an object store) is taken as transient."""
+PERMANENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
+
+
+def is_transient(e: BaseException) -> bool:
+    return isinstance(e, OSError) and not isinstance(e, PERMANENT_ERRORS) and e.errno not in PERMANENT_ERRNOS
+
+
+def with_retries(fn: Callable[[], T], attempts: int = 5, first_delay_s: float = 0.05) -> T:
+    """Call `fn`, retrying transient OSErrors with exponential backoff (0.05, 0.1, 0.2, ... s);
+    a permanent error, or the last transient one, is raised."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except OSError as e:
+            if attempt == attempts - 1 or not is_transient(e):
+                raise
+            time.sleep(first_delay_s * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 def write_bytes_atomic(uri: str, data: bytes) -> None:
-    """Write a whole file so that readers see the old or the new content, never a torn one."""
+    """Write a whole file so that readers see the old or the new content, never a torn one.
+    Transient storage errors are retried (`with_retries`); the whole write is redone each time."""
     _audit(uri)
     fs, path = split(uri)
-    parent = path.rsplit("/", 1)[0]
     try:
-        fs.makedirs(parent, exist_ok=True)
-        if isinstance(fs, LocalFileSystem):
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with fs.open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        else:  # object stores: a single PUT is atomic
-            with fs.open(path, "wb") as f:
-                f.write(data)
+        with_retries(lambda: _write_once(fs, path, data))
     except OSError as e:
         raise StorageError(f"{uri}: cannot write ({e})") from None
+
+
+def _write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    if not isinstance(fs, LocalFileSystem):  # object stores: a single PUT is atomic
+        with fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a failed write leaves no stray file behind
+            os.remove(tmp)
 
 
 def write_json(uri: str, obj) -> None:

@@ -176,6 +176,14 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
     assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001"]
     assert all(r["status"] == "FINISHED" and r["step"] == 200 for r in rows)
 
+    # The job ran with the auth token, but it is in neither the job log nor any stored file.
+    token = env["RAY_AUTH_TOKEN"]
+    assert token not in logs
+    for folder, _, files in os.walk(storage):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                assert token.encode() not in f.read(), os.path.join(folder, name)
+
     # Token auth is really on: a client with the wrong token is refused.
     wrong = {**env, "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     refused = subprocess.run(

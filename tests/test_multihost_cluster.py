@@ -124,7 +124,8 @@ def test_only_rank_0_wrote_to_storage(two_runs):
         ]
         assert ckpts
         for d in ckpts:
-            assert sorted(os.listdir(os.path.join(plan.trial_uri, d))) == ["meta.json", "state.pt"]
+            files = sorted(os.listdir(os.path.join(plan.trial_uri, d)))
+            assert files == ["manifest.json", "meta.json", "state.pt"]
 
 
 def test_two_hosts_of_two_workers_read_disjoint_host_shards(three_node_cluster, digits_dir, tmp_path):

@@ -271,7 +271,7 @@ def test_checkpoint_round_trip(tmp_path):
     directory = tmp_path / "ckpt"
     checkpoint.save(state, str(directory), {"validation/error": 0.5})
 
-    assert sorted(os.listdir(directory)) == ["meta.json", "state.pt"]  # no partial file left
+    assert sorted(os.listdir(directory)) == ["manifest.json", "meta.json", "state.pt"]  # no partial file
     with open(directory / "meta.json") as f:
         assert json.load(f) == {"step": 3, "metrics": {"validation/error": 0.5}}
 
@@ -322,6 +322,7 @@ def test_checkpoint_load_refuses_pickled_code(tmp_path):
         "history": [Payload(str(marker))],
     }
     torch.save(payload, directory / checkpoint.STATE_FILE)
+    checkpoint.write_manifest(str(directory))  # committed: only weights_only stands in the way
     with pytest.raises(pickle.UnpicklingError):
         checkpoint.load(str(directory))
     assert not marker.exists()
@@ -334,6 +335,7 @@ def test_checkpoint_load_rejects_other_format(tmp_path):
         {"format": 0, "step": 1, "model": {}, "optimizer": {}, "rng_states": [], "history": []},
         directory / checkpoint.STATE_FILE,
     )
+    checkpoint.write_manifest(str(directory))
     with pytest.raises(ValueError, match="format 0"):
         checkpoint.load(str(directory))
 

@@ -4,7 +4,6 @@ predictions written next to the checkpoint's trial (plain PyTorch; the Ray edge 
 
 from __future__ import annotations
 
-import io
 import posixpath
 
 import torch
@@ -60,8 +59,8 @@ def evaluate_checkpoint(checkpoint_uri: str, split: str, topo: Topology, device=
     device = device or torch.device("cpu")
     study_uri, _ = locate(checkpoint_uri)
     study = stored_study(study_uri)
-    state = checkpoint.load_file(
-        io.BytesIO(storage.read_bytes(storage.join(checkpoint_uri, checkpoint.STATE_FILE)))
+    state = checkpoint.load_verified(
+        checkpoint_uri, lambda name: storage.read_bytes(storage.join(checkpoint_uri, name))
     )
     workload = workloads.get(study.workload)
     model = workload.build_model(state.hparams)

