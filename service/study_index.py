@@ -121,8 +121,9 @@ def read_index(storage_root: str) -> list[dict]:
     rows = []
     for p in sorted(fs.ls(path, detail=False)):
         if p.endswith(".json"):
-            with fs.open(p, "rb") as f:
-                rows.append(json.loads(f.read()))
+            # One whole-object GET: `open` + read would take the size from one generation of
+            # the object and the bytes from the next when another process replaces it between.
+            rows.append(json.loads(fs.cat_file(p)))
     return sorted(rows, key=lambda r: r["study"])
 
 

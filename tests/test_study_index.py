@@ -1,5 +1,6 @@
 """The storage root's study table: a study's row from its trial rows and provenance, and two
-processes recording studies into one root at the same time lose no rows."""
+processes recording studies into one root at the same time lose no rows (local disk, and gs://
+through gcsfs against gcp-storage-emulator on loopback)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import sys
 import time
 
 import pyarrow.parquet as pq
+import pytest
 
-from service import study_index
+from service import storage, study_index
+from tests.conftest import free_ports
 
 WRITER = """
 import sys, time
@@ -73,17 +76,23 @@ def test_row_counts_best_and_provenance():
     assert maximise["best_trial"] == "a" and maximise["git_commit"] is None
 
 
-def test_two_processes_recording_at_once_lose_no_rows(tmp_path):
-    root, start, n = str(tmp_path / "root"), str(tmp_path / "start"), 25
+def record_concurrently(root: str, start: str, n: int, env: dict | None = None) -> set[str]:
+    """Two writer processes, started together, record n studies each; returns the names."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, root, prefix, str(n), start], cwd=os.getcwd())
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, root, prefix, str(n), start], cwd=os.getcwd(), env=env
+        )
         for prefix in ("alpha-", "beta-")
     ]
     time.sleep(1.0)  # let both interpreters import and wait at the start line
     open(start, "w").close()
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    return {f"{p}{i:03d}" for p in ("alpha-", "beta-") for i in range(n)}
 
-    expected = {f"{p}{i:03d}" for p in ("alpha-", "beta-") for i in range(n)}
+
+def test_two_processes_recording_at_once_lose_no_rows(tmp_path):
+    root, n = str(tmp_path / "root"), 25
+    expected = record_concurrently(root, str(tmp_path / "start"), n)
     # The table files as the writers left them (not recompiled by this test) hold every study.
     table = pq.read_table(os.path.join(root, "studies.parquet")).to_pylist()
     assert sorted(r["study"] for r in table) == sorted(expected)
@@ -93,3 +102,36 @@ def test_two_processes_recording_at_once_lose_no_rows(tmp_path):
     finished = {f"{p}{i // 2:03d}" for p in ("alpha-", "beta-") for i in range(n)}
     assert {r["study"] for r in table if r["state"] == "finished"} == finished
     assert sorted(r["study"] for r in study_index.read_index(root)) == sorted(expected)
+
+
+@pytest.fixture
+def gcs_emulator(monkeypatch):
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "start", "--host=127.0.0.1",
+         f"--port={port}", "--in-memory", "--default-bucket=bkt"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            storage.write_bytes_atomic("gs://bkt/probe", b"x")
+            break
+        except Exception:
+            time.sleep(0.3)
+    yield {**os.environ, **env}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_two_processes_on_gcs_lose_no_rows(gcs_emulator, tmp_path):
+    import io
+
+    root = "gs://bkt/studies"
+    expected = record_concurrently(root, str(tmp_path / "start"), 10, env=gcs_emulator)
+    table = pq.read_table(io.BytesIO(storage.read_bytes(root + "/studies.parquet"))).to_pylist()
+    assert sorted(r["study"] for r in table) == sorted(expected)
