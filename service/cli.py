@@ -120,6 +120,9 @@ def cmd_run(args) -> int:
     check_data(study)
     check_storage(study)
     check_same_study(study)
+    from service.mlflow_mirror import check_available
+
+    check_available(study)
     record = provenance.capture(os.getcwd(), study.study_uri)
     print(
         f"provenance: commit {record['git_commit']}" + (" (dirty; diff saved)" if record["git_dirty"] else "")

@@ -11,6 +11,7 @@ coordinator's Tune callbacks may run on several threads.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,30 @@ from service.spec import Study
 # MLflow 3 refuses its file store (file:// URIs, plain paths) unless this is set; the file
 # store is what a team without an MLflow server can use on shared storage.
 FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
+
+
+def best_effort(method):
+    """A mirror that cannot reach MLflow warns in the job log; it never stops the study."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any MLflow client error
+            print(f"warning: MLflow mirror: {method.__name__}: {type(e).__name__}: {e}", flush=True)
+
+    return wrapper
+
+
+def check_available(study: Study) -> None:
+    """Before a study starts: a mirror was asked for, so mlflow must import (exit 2 if not)."""
+    if study.tracking.mlflow_uri:
+        try:
+            import mlflow  # noqa: F401
+        except ImportError:
+            raise SpecError(
+                "tracking.mlflow_uri: mlflow is not installed (pip install mlflow-skinny)"
+            ) from None
 
 
 class MlflowMirror:
@@ -79,9 +104,11 @@ class MlflowMirror:
                         self.client.log_param(run.info.run_id, k, v)
             return self._runs[name]
 
+    @best_effort
     def trial_started(self, trial: dict) -> None:
         self._run_id(trial)
 
+    @best_effort
     def report(self, trial_name: str, result: dict) -> None:
         run_id = self._runs.get(trial_name)
         step = result.get("step")
@@ -93,6 +120,7 @@ class MlflowMirror:
             if math.isfinite(value):
                 self.client.log_metric(run_id, key, float(value), step=step)
 
+    @best_effort
     def trial_done(self, trial_name: str, row: dict) -> None:
         run_id = self._runs.get(trial_name)
         if run_id is None:
