@@ -120,6 +120,7 @@ class Coordinator:
         self.observers = observe.StudyObservers.for_study(study)
         self.observers.limiter = ProgressLimiter(study.tracking.progress_interval_s)
         observe.register(self.observers)
+        self.observers.metrics.start_republishing()
         self.state = "starting"
         self.current_round: str | None = None
 
