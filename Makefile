@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean
+.PHONY: setup demo test test-fast test-cluster lint clean chromium
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,11 +27,15 @@ test: setup
 	$(MAKE) test-fast
 	$(MAKE) test-cluster
 
-test-fast: setup
+test-fast: setup chromium
 	$(PYTEST) -q -m "not cluster" --timeout 900
 
 test-cluster: setup
 	$(PYTEST) -q -m cluster --timeout 900
+
+# Headless Chromium for the report test: Debian's package, installed only when missing (CI runs as root).
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 lint: setup
 	$(VENV)/bin/ruff check service tests

@@ -1,4 +1,4 @@
-"""`playbook`: run | validate | status | data | demo."""
+"""`playbook`: run | validate | status | report | studies | eval | find-steps | data | demo."""
 
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("study", help="a study file, or a study name with --storage")
     c.add_argument("--storage", help="storage root URI (default: the study file's)")
     c.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("report", help="write a study's HTML report and print it as a table")
+    c.add_argument("study", help="a study file, or a study URI (the folder holding its study.yaml)")
+    c.add_argument("--out", help="where to write the HTML (default: <study>/report.html)")
+    c.set_defaults(func=cmd_report)
+
+    c = sub.add_parser("studies", help="the storage root's tracking table: one row per study")
+    c.add_argument("--storage", help="storage root URI (default: $PLAYBOOK_STORAGE or ./playbook-studies)")
+    c.set_defaults(func=cmd_studies)
 
     c = sub.add_parser("eval", help="evaluate a saved checkpoint on a whole split, on the cluster")
     c.add_argument("checkpoint_uri")
@@ -129,6 +138,9 @@ def cmd_run(args) -> int:
     check_data(study)
     check_storage(study)
     check_same_study(study)
+    from service.mlflow_mirror import check_available
+
+    check_available(study)
     connect_ray()
     check_cluster(study)  # before anything is written
     record = provenance.capture(os.getcwd(), study.study_uri)
@@ -191,6 +203,36 @@ def print_verdicts(study_uri: str) -> None:
         for summary in json.loads(storage.read_bytes(uri)):
             for line in log_lines(summary):
                 print(line)
+
+
+def cmd_report(args) -> int:
+    from service import report
+
+    data = report.load(report.study_uri_of(args.study))
+    out, sentences = report.write(data, args.out)
+    print(f"study {data.study.name}: {data.study_uri}")
+    print_table(data.rows, data.metric, data.mode)
+    for s in sentences:
+        print(f"{s.section}: {'WARNING ' if s.severity == 'warning' else ''}{s.kind}: {s.text}")
+    print(f"report: {out}")
+    return 0
+
+
+def cmd_studies(args) -> int:
+    from service import storage, study_index
+
+    root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
+    rows = study_index.read_table(root)
+    if not rows:
+        raise StudyNotFound(f"{root}: no studies recorded there (no {study_index.INDEX_DIR}/)")
+    cols = ["study", "state", "trials", "trials_finished", "trials_diverged", "trials_failed"]
+    cols += ["best_metric", "best_trial", "git_commit"]
+    lines = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    for line in [cols, *lines]:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
+    print(f"table: {storage.join(root, 'studies.parquet')} (.csv)")
+    return 0
 
 
 def cmd_find_steps(args) -> int:

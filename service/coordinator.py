@@ -9,11 +9,12 @@ import time
 import ray
 from ray import tune
 
-from service import launch, spec, storage, tracking
+from service import launch, observe, spec, storage, tracking
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.analysis.verdicts import best_step_position
 from service.errors import PlaybookError
+from service.progress import ProgressLimiter, progress_line
 from service.rounds import plan_round
 from service.spec import Round, Study
 from service.tracking import TrialTable
@@ -39,11 +40,26 @@ class ProgressCallback(tune.Callback):
     def _table(self) -> TrialTable:
         return tracking.registered(self.study_name)
 
+    def _observers(self) -> observe.StudyObservers | None:
+        return observe.registered(self.study_name)
+
+    def _rows_changed(self) -> None:
+        if self._observers():
+            self._observers().rows_changed(self._table().snapshot())
+
     def on_trial_start(self, iteration, trials, trial, **info):
         self._table().update(trial.config["trial"]["trial_name"], status="RUNNING")
+        self._rows_changed()
+        if self._observers() and self._observers().mirror:
+            self._observers().mirror.trial_started(trial.config["trial"])
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         name = trial.config["trial"]["trial_name"]
+        observers = self._observers()
+        if observers and not result.get("summary"):
+            observers.metrics.on_report(name, result, self.metric)
+            if observers.mirror:
+                observers.mirror.report(name, result)
         if result.get("summary"):
             status = {"diverged": "DIVERGED"}.get(result.get("status"), "FINISHED")
             row = self._table().update(
@@ -64,23 +80,31 @@ class ProgressCallback(tune.Callback):
                 f"at step {row.get('best_step')}",
                 flush=True,
             )
+            if observers:
+                observers.metrics.on_trial_done(name)
+                if observers.mirror:
+                    observers.mirror.trial_done(name, row)
             return
         step, total = result.get("step"), trial.config["trial"]["max_train_steps"]
         self._table().update(name, status="RUNNING", step=step, metric=result.get(self.metric))
-        print(
-            f"[{name}] step {step}/{total} train/loss={_fmt(result.get('train/loss'))} "
-            f"{self.metric}={_fmt(result.get(self.metric))} "
-            f"({_fmt(result.get('steps_per_s'))} steps/s)",
-            flush=True,
-        )
+        limiter = observers.limiter if observers else ProgressLimiter(0)
+        if limiter.should_print(name, step, total):
+            print(progress_line(name, result, total, self.metric), flush=True)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._table().save()
+        self._rows_changed()
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = str(trial.error_file or "failed")
-        self._table().update(trial.config["trial"]["trial_name"], status="FAILED", error=error)
+        name = trial.config["trial"]["trial_name"]
+        row = self._table().update(name, status="FAILED", error=error)
         self._table().save()
+        self._rows_changed()
+        if self._observers():
+            self._observers().metrics.on_trial_done(name)
+            if self._observers().mirror:
+                self._observers().mirror.trial_done(name, row)
         print(f"[{trial.config['trial']['trial_name']}] FAILED (see {error})", flush=True)
 
 
@@ -95,6 +119,10 @@ class Coordinator:
         self.table = TrialTable(study.study_uri, study.training.metric, study.training.mode)
         self.table.load_existing()
         tracking.register(study.name, self.table)
+        self.observers = observe.StudyObservers.for_study(study)
+        self.observers.limiter = ProgressLimiter(study.tracking.progress_interval_s)
+        observe.register(self.observers)
+        self.observers.metrics.start_republishing()
         self.state = "starting"
         self.current_round: str | None = None
 
@@ -103,9 +131,14 @@ class Coordinator:
             storage.join(self.study.study_uri, "study.yaml"), spec.dump_yaml(self.study).encode()
         )
         summaries = []
+        self.observers.rows_changed(self.table.snapshot())
         for rnd in self.study.rounds:
             self.current_round, self.state = rnd.name, "running"
-            self._run_round(rnd)
+            try:
+                self._run_round(rnd)
+            except BaseException:
+                self.observers.rows_changed(self.table.snapshot(), state="stopped")
+                raise
             summary = round_verdicts(self.study, rnd.name, self.table.snapshot())
             summaries.append(summary)
             storage.write_json(storage.join(self.study.study_uri, "verdicts.json"), summaries)
@@ -113,6 +146,7 @@ class Coordinator:
                 print(line, flush=True)
         self.state = "finished"
         self.table.save()
+        self.observers.rows_changed(self.table.snapshot(), state="finished")
         return self.table.snapshot()
 
     def _run_round(self, rnd: Round) -> None:

@@ -292,6 +292,19 @@ class FindSteps:
 
 
 @dataclass(frozen=True)
+class Tracking:
+    mlflow_uri: str | None = None
+    """Mirror every trial to MLflow at this tracking URI (e.g. `file:///shared/mlruns` or
+    `http://mlflow:5000`): params, per-evaluation metrics, tags with the git commit. Off when
+    unset; mlflow is imported only then (install it yourself: `pip install mlflow-skinny`)."""
+    progress_interval_s: float = 10.0
+    """At most one progress line per trial this often in the job log (plus its last one)."""
+
+    def errors(self):
+        yield from _positive(self, "progress_interval_s")
+
+
+@dataclass(frozen=True)
 class Study:
     name: str
     """Study name: lower-case letters, digits, '-' and '_'. Names the coordinator and storage."""
@@ -316,6 +329,8 @@ class Study:
     """Settings of `playbook find-steps` (the max_train_steps finder)."""
     input: InputPipeline = field(default_factory=InputPipeline)
     """The input pipeline: prefetch depth, shuffle window, input-bound threshold, profiling."""
+    tracking: Tracking = field(default_factory=Tracking)
+    """Progress lines and the optional MLflow mirror."""
 
     def errors(self):
         if not NAME_RE.match(self.name):

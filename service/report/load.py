@@ -1,0 +1,69 @@
+"""Everything a report shows, read from a study's storage: the stored study file, the trial
+rows, each trial's rank-0 metrics log, the verdicts and the provenance record. One read per
+trial, so loading is linear in the number of trials."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from service import spec, storage, tracking
+from service.errors import StudyNotFound
+from service.spec import Study
+from service.trial import TrialPlan
+
+
+@dataclass(frozen=True)
+class StudyData:
+    study: Study
+    study_uri: str
+    rows: list[dict]
+    """Trial rows (trials.parquet), sorted by trial name."""
+    histories: dict[str, list[dict]]
+    """Per trial, its evaluations in step order (metrics.jsonl; non-finite values are None)."""
+    verdicts: list[dict]
+    """verdicts.json: one summary per round, {"round", "verdicts": [...], "scientific"}."""
+    provenance: dict
+
+    @property
+    def metric(self) -> str:
+        return self.study.training.metric
+
+    @property
+    def mode(self) -> str:
+        return self.study.training.mode
+
+
+def study_uri_of(target: str) -> str:
+    """A study file (local YAML) or a study URI (the folder holding study.yaml) -> study URI."""
+    if os.path.isfile(target):
+        from service.checks import resolve_paths
+
+        return resolve_paths(spec.load_file(target)).study_uri
+    return storage.absolute(target).rstrip("/")
+
+
+def _json(uri: str, default):
+    return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else default
+
+
+def load(study_uri: str) -> StudyData:
+    study_file = storage.join(study_uri, "study.yaml")
+    if not storage.exists(study_file):
+        raise StudyNotFound(f"{study_uri}: no stored study there (no study.yaml)")
+    study = spec.load_text(storage.read_bytes(study_file).decode(), source=study_file)
+    rows = sorted(tracking.read_rows(study_uri), key=lambda r: r["trial_name"])
+    histories = {}
+    for row in rows:
+        uri = TrialPlan(study, row["trial_name"], row.get("round") or "").metrics_uri
+        text = storage.read_bytes(uri).decode() if storage.exists(uri) else ""
+        histories[row["trial_name"]] = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return StudyData(
+        study=study,
+        study_uri=study_uri,
+        rows=rows,
+        histories=histories,
+        verdicts=_json(storage.join(study_uri, "verdicts.json"), []),
+        provenance=_json(storage.join(study_uri, "provenance.json"), {}),
+    )

@@ -1,0 +1,98 @@
+"""The report's plain sentences: the playbook verdicts saved after each round (any kind, so
+verdicts added later -- input-bound, say -- show up without changes here), the divergences
+and the eval-sample bias found in the metrics logs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.analysis.verdicts import fmt
+from service.report.load import StudyData
+
+
+@dataclass(frozen=True)
+class Sentence:
+    section: str
+    """What it is about: `round <name>`, `divergence`, `eval-sample bias`."""
+    kind: str
+    severity: str
+    """`ok` or `warning`."""
+    text: str
+
+
+def verdict_sentences(data: StudyData) -> list[Sentence]:
+    out = []
+    for summary in data.verdicts:
+        section = f"round {summary.get('round')}"
+        if summary.get("scientific"):
+            out.append(Sentence(section, "scientific", "ok", summary["scientific"]))
+        for v in summary.get("verdicts", []):
+            out.append(
+                Sentence(section, str(v.get("kind")), str(v.get("severity", "ok")), str(v.get("message")))
+            )
+    return out
+
+
+def divergence_sentences(data: StudyData) -> list[Sentence]:
+    diverged = [r for r in data.rows if r.get("status") == "DIVERGED"]
+    if not diverged:
+        return [Sentence("divergence", "divergence", "ok", f"No trial diverged ({len(data.rows)} trials).")]
+    out = []
+    for r in diverged:
+        hps = ", ".join(
+            f"{k.removeprefix('hp/')}={fmt(v)}" for k, v in sorted(r.items()) if k.startswith("hp/")
+        )
+        at = r.get("diverged_at_step")
+        out.append(
+            Sentence(
+                "divergence",
+                "divergence",
+                "warning",
+                f"Trial {r['trial_name']} diverged (non-finite training loss)"
+                + (f" at step {at}" if at is not None else "")
+                + (f" with {hps}." if hps else "."),
+            )
+        )
+    return out
+
+
+def bias_sentences(data: StudyData) -> list[Sentence]:
+    """Where a fixed validation sample was checked against the full set: biased checks name
+    the trial, step and gap; otherwise one sentence says how many checks were within noise."""
+    checks, biased = 0, []
+    for trial, history in data.histories.items():
+        for h in history:
+            if "validation_full/sample_biased" not in h:
+                continue
+            checks += 1
+            if h["validation_full/sample_biased"]:
+                biased.append((trial, h))
+    if not checks:
+        return []
+    out = [
+        Sentence(
+            "eval-sample bias",
+            "eval_sample_bias",
+            "warning",
+            f"Trial {t}: at step {h['step']} the validation sample's {data.metric} differs from the "
+            f"full set's by {fmt(h.get('validation_full/sample_gap'))} (95% CI "
+            f"[{fmt(h.get('validation_full/sample_gap_ci_low'))}, "
+            f"{fmt(h.get('validation_full/sample_gap_ci_high'))}]), more than sampling noise explains.",
+        )
+        for t, h in biased
+    ]
+    if not biased:
+        out.append(
+            Sentence(
+                "eval-sample bias",
+                "eval_sample_bias",
+                "ok",
+                f"The validation sample agreed with the full validation set within sampling noise "
+                f"at all {checks} full evaluations.",
+            )
+        )
+    return out
+
+
+def all_sentences(data: StudyData) -> list[Sentence]:
+    return verdict_sentences(data) + divergence_sentences(data) + bias_sentences(data)

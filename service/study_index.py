@@ -1,0 +1,163 @@
+"""The storage root's tracking table: one row per study, in `<storage>/studies.parquet` and
+`<storage>/studies.csv` (the playbook's study spreadsheet).
+
+Several studies may share one storage root and write at the same time, on a local disk or on
+an object store, where there is no file lock and no atomic append. So no process ever edits the
+table: each study owns one small object, `<storage>/_index/<study>.json`, which it alone
+rewrites (atomically: rename on a local disk, a single PUT on an object store). The table is
+compiled from every index object on each write and each read. A compiler re-lists the index
+after writing the table and compiles again if it changed meanwhile, so the last table written
+holds every study whose index object was written before it (see `compile_table`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import time
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from service import storage
+
+INDEX_DIR = "_index"
+COLUMNS = (
+    "study",
+    "description",
+    "state",
+    "study_file",
+    "trials",
+    "trials_finished",
+    "trials_diverged",
+    "trials_failed",
+    "metric",
+    "best_metric",
+    "best_trial",
+    "best_step",
+    "best_checkpoint",
+    "reproduce",
+    "git_commit",
+    "git_dirty",
+    "uncommitted_diff",
+    "updated_at",
+)
+MAX_RECOMPILES = 5
+
+
+def index_uri(storage_root: str, study_name: str) -> str:
+    return storage.join(storage_root, INDEX_DIR, f"{study_name}.json")
+
+
+def study_row(
+    name: str,
+    study_uri: str,
+    description: str,
+    metric: str,
+    mode: str,
+    trial_rows: list[dict],
+    provenance: dict | None,
+    state: str,
+) -> dict:
+    """The study's row, from its trial rows and its provenance record."""
+    statuses = [r.get("status") for r in trial_rows]
+    done = [r for r in trial_rows if r.get("status") == "FINISHED" and r.get("best_metric") is not None]
+    sign = 1 if mode == "min" else -1
+    best = min(done, key=lambda r: sign * r["best_metric"], default={})
+    prov = provenance or {}
+    return {
+        "study": name,
+        "description": description,
+        "state": state,
+        "study_file": storage.join(study_uri, "study.yaml"),
+        "trials": len(trial_rows),
+        "trials_finished": statuses.count("FINISHED"),
+        "trials_diverged": statuses.count("DIVERGED"),
+        "trials_failed": statuses.count("FAILED"),
+        "metric": metric,
+        "best_metric": best.get("best_metric"),
+        "best_trial": best.get("trial_name"),
+        "best_step": best.get("best_step"),
+        "best_checkpoint": best.get("best_checkpoint"),
+        "reproduce": shlex.join(prov["reproduce"]) if prov.get("reproduce") else None,
+        "git_commit": prov.get("git_commit"),
+        "git_dirty": prov.get("git_dirty"),
+        "uncommitted_diff": prov.get("uncommitted_diff"),
+        "updated_at": time.time(),
+    }
+
+
+def record(storage_root: str, row: dict) -> list[dict]:
+    """Write this study's index object, then recompile the root's table. Returns its rows."""
+    storage.write_json(index_uri(storage_root, row["study"]), row)
+    return compile_table(storage_root)
+
+
+def record_study(study, trial_rows: list[dict], state: str) -> list[dict]:
+    """The coordinator's call: this study's row from its trial rows and provenance.json."""
+    prov_uri = storage.join(study.study_uri, "provenance.json")
+    provenance = json.loads(storage.read_bytes(prov_uri)) if storage.exists(prov_uri) else None
+    row = study_row(
+        study.name,
+        study.study_uri,
+        study.description,
+        study.training.metric,
+        study.training.mode,
+        trial_rows,
+        provenance,
+        state,
+    )
+    return record(study.storage, row)
+
+
+def read_index(storage_root: str) -> list[dict]:
+    """Every study's row, straight from the index objects (sorted by study name)."""
+    fs, path = storage.split(storage.join(storage_root, INDEX_DIR))
+    fs.invalidate_cache(path)  # object-store listings are cached by fsspec; we need a fresh one
+    if not fs.exists(path):
+        return []
+    rows = []
+    for p in sorted(fs.ls(path, detail=False)):
+        if p.endswith(".json"):
+            # One whole-object GET: `open` + read would take the size from one generation of
+            # the object and the bytes from the next when another process replaces it between.
+            rows.append(json.loads(fs.cat_file(p)))
+    return sorted(rows, key=lambda r: r["study"])
+
+
+def compile_table(storage_root: str) -> list[dict]:
+    """(Re)write `studies.parquet` and `studies.csv` from the index objects.
+
+    Why the re-list makes the table complete: take the last table written, by process P. After
+    writing it, P listed the index again and found what it had compiled (else it would have
+    written again). Any study whose index object was written before that listing is in it;
+    one written after would have compiled and written a table after P's -- not the last."""
+    rows = read_index(storage_root)
+    for _ in range(MAX_RECOMPILES):
+        if not rows:
+            return rows
+        _write_table(storage_root, rows)
+        again = read_index(storage_root)
+        if again == rows:
+            return rows
+        rows = again
+    _write_table(storage_root, rows)
+    return rows
+
+
+def _write_table(storage_root: str, rows: list[dict]) -> None:
+    names = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
+    table = pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    storage.write_bytes_atomic(storage.join(storage_root, "studies.parquet"), buf.getvalue())
+    csv = io.BytesIO()
+    pacsv.write_csv(table, csv)
+    storage.write_bytes_atomic(storage.join(storage_root, "studies.csv"), csv.getvalue())
+
+
+def read_table(storage_root: str) -> list[dict]:
+    """The root's studies, compiled fresh from the index (and the table files rewritten)."""
+    return compile_table(storage_root)

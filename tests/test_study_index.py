@@ -1,0 +1,137 @@
+"""The storage root's study table: a study's row from its trial rows and provenance, and two
+processes recording studies into one root at the same time lose no rows (local disk, and gs://
+through gcsfs against gcp-storage-emulator on loopback)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from service import storage, study_index
+from tests.conftest import free_ports
+
+WRITER = """
+import sys, time
+from service import study_index
+root, prefix, n, start_file = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+import os
+while not os.path.exists(start_file):  # both writers start together
+    time.sleep(0.01)
+for i in range(n):
+    rows = [{"trial_name": f"t{j}", "status": "FINISHED", "best_metric": float(j)} for j in range(i % 3 + 1)]
+    row = study_index.study_row(f"{prefix}{i:03d}", f"{root}/{prefix}{i:03d}", "d", "validation/loss",
+                                "min", rows, None, "running")
+    study_index.record(root, row)
+    # and rewrite an earlier study's row, as a running study does after every trial
+    study_index.record(root, {**row, "study": f"{prefix}{i // 2:03d}", "state": "finished"})
+"""
+
+
+def test_row_counts_best_and_provenance():
+    rows = [
+        {
+            "trial_name": "a",
+            "status": "FINISHED",
+            "best_metric": 0.3,
+            "best_step": 20,
+            "best_checkpoint": "c1",
+        },
+        {
+            "trial_name": "b",
+            "status": "FINISHED",
+            "best_metric": 0.1,
+            "best_step": 40,
+            "best_checkpoint": "c2",
+        },
+        {"trial_name": "c", "status": "DIVERGED", "best_metric": None},
+        {"trial_name": "d", "status": "FAILED"},
+        {"trial_name": "e", "status": "RUNNING", "best_metric": 0.01},  # not a result yet
+    ]
+    prov = {"git_commit": "abc", "git_dirty": True, "uncommitted_diff": "/s/x/uncommitted.diff"}
+    prov["reproduce"] = ["/usr/bin/python", "-m", "service", "run", "/s/my study/study.yaml"]
+    row = study_index.study_row("x", "/s/x", "why", "validation/loss", "min", rows, prov, "finished")
+    assert (row["trials"], row["trials_finished"], row["trials_diverged"], row["trials_failed"]) == (
+        5,
+        2,
+        1,
+        1,
+    )
+    assert (row["best_trial"], row["best_metric"], row["best_step"], row["best_checkpoint"]) == (
+        "b",
+        0.1,
+        40,
+        "c2",
+    )
+    assert row["study_file"] == "/s/x/study.yaml"
+    assert shlex.split(row["reproduce"]) == prov["reproduce"]  # quoted: the space survives
+    assert row["git_commit"] == "abc" and row["uncommitted_diff"] == "/s/x/uncommitted.diff"
+    maximise = study_index.study_row("x", "/s/x", "", "validation/accuracy", "max", rows, None, "running")
+    assert maximise["best_trial"] == "a" and maximise["git_commit"] is None
+
+
+def record_concurrently(root: str, start: str, n: int, env: dict | None = None) -> set[str]:
+    """Two writer processes, started together, record n studies each; returns the names."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, root, prefix, str(n), start], cwd=os.getcwd(), env=env
+        )
+        for prefix in ("alpha-", "beta-")
+    ]
+    time.sleep(1.0)  # let both interpreters import and wait at the start line
+    open(start, "w").close()
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    return {f"{p}{i:03d}" for p in ("alpha-", "beta-") for i in range(n)}
+
+
+def test_two_processes_recording_at_once_lose_no_rows(tmp_path):
+    root, n = str(tmp_path / "root"), 25
+    expected = record_concurrently(root, str(tmp_path / "start"), n)
+    # The table files as the writers left them (not recompiled by this test) hold every study.
+    table = pq.read_table(os.path.join(root, "studies.parquet")).to_pylist()
+    assert sorted(r["study"] for r in table) == sorted(expected)
+    with open(os.path.join(root, "studies.csv")) as f:
+        assert sorted(r["study"] for r in csv.DictReader(f)) == sorted(expected)
+    # Each study's row is its last write: studies rewritten as "finished" are finished.
+    finished = {f"{p}{i // 2:03d}" for p in ("alpha-", "beta-") for i in range(n)}
+    assert {r["study"] for r in table if r["state"] == "finished"} == finished
+    assert sorted(r["study"] for r in study_index.read_index(root)) == sorted(expected)
+
+
+@pytest.fixture
+def gcs_emulator(monkeypatch):
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "start", "--host=127.0.0.1",
+         f"--port={port}", "--in-memory", "--default-bucket=bkt"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            storage.write_bytes_atomic("gs://bkt/probe", b"x")
+            break
+        except Exception:
+            time.sleep(0.3)
+    yield {**os.environ, **env}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_two_processes_on_gcs_lose_no_rows(gcs_emulator, tmp_path):
+    import io
+
+    root = "gs://bkt/studies"
+    expected = record_concurrently(root, str(tmp_path / "start"), 10, env=gcs_emulator)
+    table = pq.read_table(io.BytesIO(storage.read_bytes(root + "/studies.parquet"))).to_pylist()
+    assert sorted(r["study"] for r in table) == sorted(expected)
