@@ -77,6 +77,7 @@ def ray_cluster():
     from service.coordinator import NAMESPACE
 
     ray.init(
+        address="local",  # a new cluster, never one that another process started on this machine
         num_cpus=2,
         namespace=NAMESPACE,
         include_dashboard=False,
