@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean
+.PHONY: setup demo test test-fast test-cluster lint clean bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,11 @@ test-fast: setup
 
 test-cluster: setup
 	$(PYTEST) -q -m cluster --timeout 900
+
+# Benchmarks against hand-written baselines, as ratios measured in the same run:
+# bench/results.json, bench/results.md and the README's performance table.
+bench: setup
+	$(PY) -m bench.run
 
 lint: setup
 	$(VENV)/bin/ruff check service tests

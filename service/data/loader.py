@@ -42,6 +42,10 @@ class TrainStream:
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         start = step * self.batch_size
+        epoch, offset = divmod(start, self.num_examples)
+        if offset + self.batch_size <= self.num_examples:  # within one epoch: a slice (the usual case)
+            index = self._permutation(epoch)[offset : offset + self.batch_size]
+            return {k: v[index] for k, v in self.tensors.items()}
         positions = torch.arange(start, start + self.batch_size)
         epochs, within = positions // self.num_examples, positions % self.num_examples
         index = torch.empty_like(positions)

@@ -43,6 +43,10 @@ class CheckpointStore:
         self.trial_uri, self.keep, self.metric, self.mode = trial_uri.rstrip("/"), keep, metric, mode
         self.fs, self.path = storage.split(self.trial_uri)
         self.local = isinstance(self.fs, LocalFileSystem)
+        # Superseded checkpoints are unselectable at once (renamed away / meta.json removed);
+        # freeing their bytes runs off the caller's path, on this thread.
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt-rm")
+        self._deletions: list[Future] = []
         self.fs.makedirs(self.path, exist_ok=True)
         for name in self._names():  # leftovers of a save that crashed: never selectable
             if name.startswith((PARTIAL, ".deleting-")):
@@ -118,32 +122,52 @@ class CheckpointStore:
         if self.local:
             away = posixpath.join(self.path, f".deleting-{name}-{uuid.uuid4().hex[:8]}")
             os.rename(path, away)
-            shutil.rmtree(away)
+            self._deletions.append(self._deleter.submit(shutil.rmtree, away))
         else:
             self.fs.rm_file(posixpath.join(path, checkpoint.META_FILE))
-            self.fs.rm(path, recursive=True)
+            self._deletions.append(self._deleter.submit(self.fs.rm, path, recursive=True))
+
+    def close(self) -> None:
+        """Wait until superseded checkpoints are deleted."""
+        done, self._deletions = self._deletions, []
+        for f in done:
+            f.result()
 
 
-def snapshot(state: TrialState) -> TrialState:
-    """A CPU copy of `state` that later training steps cannot change (tensors cloned)."""
+def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
+    """A CPU copy of `state` that later training steps cannot change. With `buffers` (kept by
+    the caller between snapshots), tensors are copied into the same preallocated memory each
+    time (no fresh allocation and page faults; pinned memory for GPU tensors)."""
+    on_gpu = False
 
-    def copy(v):
+    def copy(v, key: tuple):
+        nonlocal on_gpu
         if isinstance(v, torch.Tensor):
-            return v.detach().to("cpu", copy=True)
+            v = v.detach()
+            if buffers is None:
+                return v.to("cpu", copy=True)
+            buf = buffers.get(key)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                buf = buffers[key] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+            on_gpu = on_gpu or v.is_cuda
+            return buf.copy_(v, non_blocking=v.is_cuda)
         if isinstance(v, dict):
-            return {k: copy(x) for k, x in v.items()}
+            return {k: copy(x, (*key, k)) for k, x in v.items()}
         if isinstance(v, list | tuple):
-            return type(v)(copy(x) for x in v)
+            return type(v)(copy(x, (*key, i)) for i, x in enumerate(v))
         return v
 
-    return TrialState(
+    out = TrialState(
         state.step,
-        copy(state.model),
-        copy(state.optimizer),
-        copy(state.rng_states),
+        copy(state.model, ("model",)),
+        copy(state.optimizer, ("optimizer",)),
+        copy(state.rng_states, ("rng",)),
         copy_module.deepcopy(state.history),
         dict(state.hparams),
     )
+    if on_gpu:
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+    return out
 
 
 class AsyncCheckpointer:
@@ -157,10 +181,11 @@ class AsyncCheckpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt")
         self._pending: Future | None = None
         self._lock = threading.Lock()
+        self._buffers: dict = {}  # reused: the previous save has finished before the next copy
 
     def save(self, state: TrialState, metrics: dict) -> str:
         self.wait()
-        copied = snapshot(state)
+        copied = snapshot(state, self._buffers)
         with self._lock:
             self._pending = self._pool.submit(self.store.save, copied, dict(metrics))
         return self.store.uri(state.step)
@@ -176,6 +201,7 @@ class AsyncCheckpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.store.close()
 
 
 class SyncCheckpointer:
@@ -188,4 +214,4 @@ class SyncCheckpointer:
         return self.store.save(state, metrics)
 
     def close(self) -> None:
-        pass
+        self.store.close()
