@@ -107,7 +107,7 @@ def loop_seconds(study, trial_name: str) -> float:
     with open(os.path.join(study.study_uri, "trials", trial_name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     steps = [0] + [r["step"] for r in rows]
-    return sum((b - a) / r["steps_per_s"] for a, b, r in zip(steps, steps[1:], rows, strict=True))
+    return sum((b - a) / r["steps_per_s"] for a, b, r in zip(steps[:-1], steps[1:], rows, strict=True))
 
 
 def run_tuner(trainable, config: dict, storage: str, name: str):
