@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "ok  " if fig["pass"] else "MISS"
             print(f"{verdict} {key} = {fig['value']:g} (goal {fig['goal']})", flush=True)
         print(f"     [{name}: {time.perf_counter() - t:.0f} s]", flush=True)
+        save(results)  # after each suite: a later failure keeps what was measured
+    table.main()
+    return 0
+
+
+def save(results: dict) -> None:
     results["machine"] = {
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
@@ -52,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(RESULTS, "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
         f.write("\n")
-    table.main()
-    return 0
 
 
 if __name__ == "__main__":
