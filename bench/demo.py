@@ -28,7 +28,7 @@ def run() -> dict:
         path = os.path.join(tmp, "digits-demo.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(study, f)
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # an embedded local Ray
+        env = {**os.environ, "RAY_ADDRESS": "local"}  # a fresh embedded Ray, not one found on this machine
         t = time.perf_counter()
         out = subprocess.run(
             [sys.executable, "-m", "service", "demo", "--study-file", path],

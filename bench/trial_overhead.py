@@ -141,7 +141,7 @@ def run() -> dict:
     from service.data.builtin import write_digits
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     walls = {"plain": [], "service": [], "ray_train": []}
     loops = {"plain": [], "service": [], "ray_train": []}
     try:
