@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean chromium
+.PHONY: setup demo test test-fast test-cluster lint clean chromium bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,11 @@ test-cluster: setup
 # Headless Chromium for the report test: Debian's package, installed only when missing (CI runs as root).
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+
+# Benchmarks against hand-written baselines, as ratios measured in the same run:
+# bench/results.json, bench/results.md and the README's performance table.
+bench: setup
+	$(PY) -m bench.run
 
 lint: setup
 	$(VENV)/bin/ruff check service tests

@@ -114,7 +114,9 @@ def connect_ray() -> None:
 
     if not ray.is_initialized():
         ray.init(
-            address=os.environ.get("RAY_ADDRESS"),
+            # No RAY_ADDRESS: an embedded Ray of our own ("local"), never a cluster that some
+            # other process happens to run on this machine (what address=None would join).
+            address=os.environ.get("RAY_ADDRESS") or "local",
             namespace=NAMESPACE,
             runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
         )

@@ -9,7 +9,7 @@ import time
 import ray
 from ray import tune
 
-from service import launch, observe, spec, storage, tracking
+from service import fast_path, launch, observe, spec, storage, tracking
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.analysis.verdicts import best_step_position
@@ -22,8 +22,12 @@ from service.tracking import TrialTable
 NAMESPACE = "playbook"
 # The Tune trial function only drives a Ray Train run (whose workers reserve the real CPUs);
 # it reserves a token share so that it never blocks the workers. Concurrency is capped by
-# max_concurrent_trials instead.
+# max_concurrent_trials instead. (A one-worker trial trains in the Tune trial itself and
+# reserves that worker's share: `fast_path.fast_path_resources`.)
 TRIAL_DRIVER_CPU = 0.01
+# Tune restarts a trial whose process died (a fast-path trial resumes from its latest
+# checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
+MAX_TRIAL_RESTARTS = 2
 
 
 def actor_name(study_name: str) -> str:
@@ -163,9 +167,13 @@ class Coordinator:
                 )
         self.table.save()
         fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
-        trainable = tune.with_resources(
-            tune.with_parameters(launch.tune_trial, study=self.study), {"cpu": TRIAL_DRIVER_CPU}
+        scaling = self.study.scaling
+        resources = (
+            fast_path.fast_path_resources(scaling)
+            if fast_path.is_fast_path(scaling)
+            else {"cpu": TRIAL_DRIVER_CPU}
         )
+        trainable = tune.with_resources(tune.with_parameters(launch.tune_trial, study=self.study), resources)
         experiment = storage.join(storage.join(self.study.study_uri, "tune"), rnd.name)
         if tune.Tuner.can_restore(experiment, storage_filesystem=fs):
             print(f"round {rnd.name}: resuming from {experiment}", flush=True)
@@ -182,6 +190,7 @@ class Coordinator:
                     storage_path=tune_path,
                     storage_filesystem=fs,
                     verbose=0,
+                    failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
                     callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
                 ),
             )

@@ -1,5 +1,6 @@
 """Ray edge of a trial: the Tune trial function builds a Ray Train `TorchTrainer` over
-hosts x workers, and each Train worker runs the plain-PyTorch loop in `trainer.loop`."""
+hosts x workers, and each Train worker runs the plain-PyTorch loop in `trainer.loop`. A trial
+of one worker takes the fast path instead (`fast_path`: the loop inside the Tune trial)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ import ray.train
 import ray.tune
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-from ray.tune.integration.ray_train import TuneReportCallback
 
-from service import spec, storage
+from service import fast_path, spec, storage
 from service.analysis.input_bound import trial_input_row
 from service.errors import CheckpointError
 from service.spec import Study
@@ -92,6 +91,8 @@ def quiet_train_console() -> None:
 
 
 def train_worker(config: dict) -> None:
+    import ray.train.torch
+
     quiet_train_console()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
@@ -129,7 +130,11 @@ def scaling_config(scaling) -> ScalingConfig:
     )
 
 
-def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
+def trainer_for(plan: TrialPlan, in_tune: bool):
+    # Imported here: ray.train.torch costs seconds of imports that fast-path trials skip.
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
     study = plan.study
     scaling = study.scaling
     fs, trials_path = storage.ray_storage(storage.join(study.study_uri, "trials"))
@@ -162,7 +167,8 @@ def trainer_for(plan: TrialPlan, in_tune: bool) -> TorchTrainer:
 
 
 def tune_trial(config: dict, study: Study) -> None:
-    """One Tune trial = one Ray Train run. Its last Tune report is the trial summary."""
+    """One Tune trial = one Ray Train run (or, for one worker, the loop in this process). Its
+    last Tune report is the trial summary."""
     c = config["trial"]
     plan = TrialPlan(
         study=study,
@@ -173,29 +179,38 @@ def tune_trial(config: dict, study: Study) -> None:
         seed=c.get("seed"),
         schedule=spec.schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
     )
-    result = trainer_for(plan, in_tune=True).fit()
-    prune_unregistered(plan, result)
-    ray.tune.report({**summarize(plan, result), "summary": True})
+    if fast_path.is_fast_path(study.scaling):
+        kept = fast_path.train_in_trial(plan, batch_source(study))
+        summary = summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
+    else:
+        result = trainer_for(plan, in_tune=True).fit()
+        prune_unregistered(plan, result)
+        summary = summarize(plan, result)
+    ray.tune.report({**summary, "summary": True})
 
 
 def summarize(plan: TrialPlan, result) -> dict:
+    """The summary of a Ray Train run, from its retained checkpoints."""
+    # Only committed checkpoints can be the trial's best (a torn one on storage never is).
+    uris = [(m.get("step"), _uri(plan.study, c.path)) for c, m in result.best_checkpoints]
+    by_step = {step: uri for step, uri in uris if is_committed(uri)}
+    return summary_fields(plan, by_step, len(result.best_checkpoints))
+
+
+def summary_fields(plan: TrialPlan, checkpoint_by_step: dict[int, str], num_checkpoints: int) -> dict:
     """Trial summary from the rank-0 metrics log (Ray keeps only checkpointed reports) and the
     retained checkpoints (the best one, chosen retrospectively over the whole run)."""
     tr = plan.study.training
     history = read_metrics_log(plan)
     best = best_row(history, tr.metric, tr.mode)
-    # Only committed checkpoints can be the trial's best (a torn one on storage never is).
-    by_step = {m.get("step"): c for c, m in result.best_checkpoints if is_committed(_uri(plan.study, c.path))}
     last = history[-1] if history else {}
     return {
         tr.metric: best[tr.metric] if best else worst(tr.mode),
         "status": last.get("status", "finished"),
         "last_step": last.get("step", 0),
         "best_step": best["step"] if best else None,
-        "best_checkpoint": _uri(plan.study, by_step[best["step"]].path)
-        if best and best["step"] in by_step
-        else None,
-        "num_checkpoints": len(result.best_checkpoints),
+        "best_checkpoint": checkpoint_by_step.get(best["step"]) if best else None,
+        "num_checkpoints": num_checkpoints,
         "diverged_at_step": last.get("diverged_at_step"),
         **trial_input_row(plan.trial_name, history, plan.study),
     }
@@ -244,13 +259,15 @@ def _uri(study: Study, path: str) -> str:
 
 
 def run_single(plan: TrialPlan):
-    """One trial as a plain Ray Train run, outside Tune."""
+    """One trial as a plain Ray Train run, outside Tune (whatever its world size)."""
     result = trainer_for(plan, in_tune=False).fit()
     prune_unregistered(plan, result)
     return result
 
 
 def eval_worker(config: dict) -> None:
+    import ray.train.torch
+
     quiet_train_console()
     from service.evaluation.offline import evaluate_checkpoint
 
@@ -265,6 +282,8 @@ def run_offline_eval(checkpoint_uri: str, split: str, study: Study) -> None:
 
     scaling = study.scaling
     fs, path = storage.ray_storage(storage.join(study.study_uri, "evals"))
+    from ray.train.torch import TorchTrainer
+
     _, trial = locate(checkpoint_uri)
     TorchTrainer(
         eval_worker,

@@ -147,6 +147,9 @@ class Training:
     `virtual_batch_size` examples per worker."""
     virtual_batch_size: int = 64
     """Examples per virtual batch for ghost batch norm (the playbook's anecdote: 64)."""
+    async_checkpoint: bool = True
+    """Single-worker trials: write checkpoints on a background thread (training stalls only for
+    a memory copy of the state). Multi-worker trials save synchronously through Ray Train."""
 
     def errors(self):
         yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")

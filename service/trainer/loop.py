@@ -56,6 +56,18 @@ def local_batches(depth: int) -> BatchSource:
     return lambda stream, start_step: prefetch(stream.iterate(start_step), depth)
 
 
+class Checkpointer(Protocol):
+    """Where rank 0's checkpoints go when the caller keeps them itself (no Ray Train): see
+    `trainer.checkpoint_store`. Without one, each checkpoint is written to a temporary
+    directory and handed to `Reporter.report` (Ray Train persists and retains it)."""
+
+    def save(self, state: TrialState, metrics: dict) -> str:
+        """Save (or start saving) `state`; returns its URI."""
+
+    def close(self) -> None:
+        """Wait for saves still in flight; raise the error of a failed one."""
+
+
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -94,9 +106,22 @@ def gather_rng_states() -> list[torch.Tensor]:
 
 
 def train(
-    plan: TrialPlan, topo: Topology, reporter: Reporter, device=None, batch_source: BatchSource | None = None
+    plan: TrialPlan,
+    topo: Topology,
+    reporter: Reporter,
+    device=None,
+    batch_source: BatchSource | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> dict:
     """Run (or resume) one trial on this rank. Returns the trial summary."""
+    try:
+        return _train(plan, topo, reporter, device, batch_source, checkpointer)
+    finally:
+        if checkpointer is not None:
+            Rank0(topo).run(checkpointer.close)
+
+
+def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_source, checkpointer) -> dict:
     device = device or torch.device("cpu")
     study, tr = plan.study, plan.study.training
     workload = workloads.get(study.workload)
@@ -232,10 +257,15 @@ def train(
         state = TrialState(
             step, model.state_dict(), optimizer.state_dict(), rng_states, history, dict(plan.hparams)
         )
-        with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
-            saved = rank0.run(save_checkpoint, state, tmp, report)
+        if checkpointer is not None:
+            rank0.run(checkpointer.save, state, report)
             rank0.run(write_metrics_log, plan, history)
-            reporter.report(report, saved)
+            reporter.report(report, None)
+        else:
+            with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+                saved = rank0.run(save_checkpoint, state, tmp, report)
+                rank0.run(write_metrics_log, plan, history)
+                reporter.report(report, saved)
         loss_sum, loss_count, steps_in_interval = 0.0, 0, 0
         interval_start = time.perf_counter()
 

@@ -1,0 +1,71 @@
+"""Shared helpers: medians over repeats, the figure record, and a synthetic digits-shaped dataset
+larger than the bundled one (the bundled 1,257 training rows are gone in milliseconds)."""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+GOALS = {
+    # key: (comparison, goal, what the ratio is)
+    "step_ratio": (">=", 0.95, "steps/s of the service's trainer / a bare PyTorch loop"),
+    "loader_vs_pyarrow": (">=", 0.9, "loader examples/s / pyarrow.parquet.read_table + numpy"),
+    "loader_vs_dataloader": (">=", 1.0, "loader examples/s / torch DataLoader(num_workers=2)"),
+    "exposed_input_fraction": (
+        "<",
+        0.05,
+        "share of step time spent waiting for input (CPU-heavy preprocessing)",
+    ),
+    "trial_overhead_ratio": ("<=", 1.5, "fixed per-trial overhead / a plain Ray Tune function trial"),
+    "checkpoint_ratio": ("<=", 1.1, "checkpoint save / torch.save of the same state, same filesystem"),
+    "async_checkpoint_stall_ratio": ("<", 0.1, "loop stall with async save / a sync save"),
+    "loader_peak_rss_ratio": ("<=", 1.2, "loader peak RSS on a 10x dataset / on the base one"),
+    "demo_wall_s": ("<", 300.0, "`make demo` wall time in seconds (setup excluded)"),
+}
+
+
+def median_of(fn: Callable[[], float], repeats: int) -> tuple[float, list[float]]:
+    values = [fn() for _ in range(repeats)]
+    return statistics.median(values), values
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def figure(key: str, value: float, **raw) -> dict:
+    """One results.json entry: the value, its goal and pass/fail, and the raw figures."""
+    op, goal, what = GOALS[key]
+    ok = {">=": value >= goal, "<=": value <= goal, "<": value < goal}[op]
+    return {"value": round(value, 4), "goal": f"{op} {goal:g}", "pass": bool(ok), "what": what, "raw": raw}
+
+
+def write_digits_like(root: str, num_rows: int, num_files: int, seed: int = 0) -> str:
+    """`num_rows` rows shaped like the digits data (example_id, pixels: 64 floats, label) in
+    `num_files` parquet files under root/train; returns that directory."""
+    rng = np.random.default_rng(seed)
+    out = os.path.join(root, "train")
+    os.makedirs(out, exist_ok=True)
+    for j, rows in enumerate(np.array_split(np.arange(num_rows), num_files)):
+        pixels = rng.random((len(rows), 64), dtype=np.float32)
+        table = pa.table(
+            {
+                "example_id": pa.array(rows.astype(np.int64)),
+                "pixels": pa.FixedSizeListArray.from_arrays(pa.array(pixels.reshape(-1)), 64),
+                "label": pa.array(rng.integers(0, 10, len(rows)).astype(np.int64)),
+            }
+        )
+        buf = io.BytesIO()
+        pq.write_table(table, buf, row_group_size=8192)
+        with open(os.path.join(out, f"part-{j:05d}.parquet"), "wb") as f:
+            f.write(buf.getvalue())
+    return out

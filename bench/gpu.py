@@ -1,0 +1,153 @@
+"""GPU figures, for a machine with CUDA (never needed by CI; without CUDA it says so and exits 0):
+the service's step loop on the GPU over a bare loop, bf16 autocast over fp32, pinned over
+pageable host-to-device copies, an NCCL all-reduce, and the async checkpoint stall with GPU
+state (pinned snapshot buffers). Writes bench/results-gpu.json.
+
+    python -m bench.gpu
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cuda_time(fn, repeats: int = 5) -> float:
+    """Median seconds of `fn()` with the device synchronised around it."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bare_steps_per_s(width: int, batch: int, steps: int, autocast: bool) -> float:
+    from service.workloads.digits import SmallConvNet
+
+    torch.manual_seed(0)
+    model = SmallConvNet(10, width).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.rand(batch * 8, 1, 8, 8, device="cuda")
+    y = torch.randint(0, 10, (batch * 8,), device="cuda")
+
+    def run():
+        for s in range(steps):
+            i = slice((s % 8) * batch, (s % 8 + 1) * batch)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    run()  # warm-up (kernels, cuDNN autotuning)
+    return steps / cuda_time(run, 3)
+
+
+def service_steps_per_s(steps: int, batch: int, width: int) -> float:
+    from bench.step import Discard
+    from service import spec
+    from service.data.builtin import write_digits
+    from service.topology import Topology
+    from service.trainer import loop
+    from service.trial import TrialPlan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_digits(f"{tmp}/data")
+        study = spec.load_dict(
+            {
+                "name": "gpu-step",
+                "workload": "digits",
+                "data": {"train": f"{tmp}/data/train", "validation": f"{tmp}/data/validation"},
+                "storage": f"{tmp}/studies",
+                "scaling": {"use_gpu": True},
+                "training": {"max_train_steps": steps, "batch_size": batch, "eval_every_steps": steps},
+                "search": {"learning_rate": {"role": "fixed", "value": 0.05}},
+                "rounds": [{"name": "r", "num_trials": 1}],
+            }
+        )
+        reporter = Discard()
+        hp = {"learning_rate": 0.05, "momentum": 0.9, "width": width}
+        loop.train(TrialPlan(study, "r-0", "r", hp, steps), Topology(), reporter, torch.device("cuda"))
+        return reporter.rows[-1]["steps_per_s"]
+
+
+def transfer_gb_per_s(pinned: bool, mb: int = 256) -> float:
+    host = torch.empty(mb * 2**20 // 4, dtype=torch.float32, pin_memory=pinned)
+    dev = torch.empty_like(host, device="cuda")
+    return mb / 1024 / cuda_time(lambda: dev.copy_(host, non_blocking=pinned))
+
+
+def nccl_all_reduce_gb_per_s(mb: int = 256) -> float:
+    """One rank per visible GPU would need processes; with one GPU, a 1-rank NCCL group."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        t = torch.ones(mb * 2**20 // 4, device="cuda")
+        dist.all_reduce(t)
+        return mb / 1024 / cuda_time(lambda: dist.all_reduce(t))
+    finally:
+        dist.destroy_process_group()
+
+
+def checkpoint_stall(width: int = 4096) -> dict:
+    from service.trainer.checkpoint import TrialState
+    from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
+
+    model = torch.nn.Linear(width, width).cuda()
+    state = TrialState(1, model.state_dict(), {}, [], [], {})
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(f"{tmp}/sync", 2, "validation/loss", "min")
+        saver = AsyncCheckpointer(CheckpointStore(f"{tmp}/async", 2, "validation/loss", "min"))
+        sync, stall = [], []
+        for step in range(1, 6):
+            state.step = step
+            m = {"step": step, "validation/loss": 1.0 / step}
+            sync.append(cuda_time(lambda: store.save(state, m), 1))  # noqa: B023
+            stall.append(cuda_time(lambda: saver.save(state, m), 1))  # noqa: B023
+            saver.wait()
+        saver.close()
+        store.close()
+    return {"sync_save_s": statistics.median(sync), "stall_s": statistics.median(stall)}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device here; nothing measured (this is not an error)")
+        return 0
+    steps, batch, width = 300, 256, 32
+    fp32 = bare_steps_per_s(width, batch, steps, autocast=False)
+    bf16 = bare_steps_per_s(width, batch, steps, autocast=True)
+    service = service_steps_per_s(steps, batch, width)
+    stall = checkpoint_stall()
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "gpu_step_ratio": service / fp32,
+        "service_steps_per_s": service,
+        "bare_fp32_steps_per_s": fp32,
+        "bf16_autocast_speedup": bf16 / fp32,
+        "pinned_over_pageable_h2d": transfer_gb_per_s(True) / transfer_gb_per_s(False),
+        "nccl_all_reduce_gb_per_s_1_rank": nccl_all_reduce_gb_per_s(),
+        "async_checkpoint_stall_ratio": stall["stall_s"] / stall["sync_save_s"],
+        "checkpoint": stall,
+    }
+    with open(os.path.join(HERE, "results-gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

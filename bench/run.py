@@ -1,0 +1,64 @@
+"""`make bench`: every benchmark in turn, results to bench/results.json, then the tables.
+
+python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo)
+With --only, the other figures are kept from the existing results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import time
+
+from bench import table
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json")
+SUITES = {
+    "step": "bench.step",
+    "loaders": "bench.loaders",
+    "checkpoints": "bench.checkpoints",
+    "trial": "bench.trial_overhead",
+    "demo": "bench.demo",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only", nargs="+", choices=sorted(SUITES))
+    args = p.parse_args(argv)
+    results = {"figures": {}}
+    if args.only and os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            results = json.load(f)
+    for name in args.only or SUITES:
+        t = time.perf_counter()
+        figures = importlib.import_module(SUITES[name]).run()
+        results["figures"].update(figures)
+        for key, fig in figures.items():
+            verdict = "ok  " if fig["pass"] else "MISS"
+            print(f"{verdict} {key} = {fig['value']:g} (goal {fig['goal']})", flush=True)
+        print(f"     [{name}: {time.perf_counter() - t:.0f} s]", flush=True)
+        save(results)  # after each suite: a later failure keeps what was measured
+    table.main()
+    return 0
+
+
+def save(results: dict) -> None:
+    results["machine"] = {
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    with open(RESULTS, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""step_ratio: steps/s of the service's step loop (trainer.loop.train, one process, no Ray)
+over a bare PyTorch loop of the same model, optimizer, batch size and data in memory."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+
+import pyarrow.parquet as pq
+import torch
+
+from bench.common import figure
+from service import spec, workloads
+from service.data.builtin import write_digits
+from service.topology import Topology
+from service.trainer import loop
+from service.trial import TrialPlan
+
+STEPS, BATCH, REPEATS = 300, 64, 5
+HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}
+
+
+class Discard:
+    """A Reporter that keeps nothing (the loop's own measurement is in its report)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def report(self, metrics, checkpoint_dir):
+        self.rows.append(metrics)
+
+    def restore(self):
+        return None
+
+
+def service_steps_per_s(data_dir: str, storage: str) -> float:
+    study = spec.load_dict(
+        {
+            "name": "bench-step",
+            "workload": "digits",
+            "data": {"train": f"{data_dir}/train", "validation": f"{data_dir}/validation"},
+            "storage": storage,
+            "training": {
+                "max_train_steps": STEPS,
+                "batch_size": BATCH,
+                "eval_every_steps": STEPS,  # one eval + checkpoint, after the timed steps
+                "optimizer": "sgd_momentum",
+                "schedule": {"kind": "constant"},
+            },
+            "search": {"learning_rate": {"role": "fixed", "value": HPARAMS["learning_rate"]}},
+            "rounds": [{"name": "r", "num_trials": 1}],
+        }
+    )
+    plan = TrialPlan(study, f"r-{time.monotonic_ns()}", "r", dict(HPARAMS), STEPS)
+    reporter = Discard()
+    loop.train(plan, Topology(), reporter)
+    return reporter.rows[-1]["steps_per_s"]
+
+
+def bare_steps_per_s(data_dir: str) -> float:
+    """What one writes by hand: tensors in memory, a permutation per epoch, the usual 5 lines."""
+    table = pq.read_table(f"{data_dir}/train")
+    x = torch.from_numpy(table.column("pixels").combine_chunks().flatten().to_numpy().reshape(-1, 1, 8, 8))
+    y = torch.from_numpy(table.column("label").to_numpy())
+    torch.manual_seed(0)
+    model = workloads.get("digits").build_model(HPARAMS)
+    opt = torch.optim.SGD(model.parameters(), lr=HPARAMS["learning_rate"], momentum=HPARAMS["momentum"])
+    perm, pos = torch.randperm(len(y)), 0
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        if pos + BATCH > len(y):
+            perm, pos = torch.randperm(len(y)), 0
+        i = perm[pos : pos + BATCH]
+        pos += BATCH
+        loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return STEPS / (time.perf_counter() - start)
+
+
+def run() -> dict:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="playbook-bench-step-") as tmp:
+        write_digits(f"{tmp}/data")
+        service, bare = [], []
+        for _ in range(REPEATS):
+            service.append(service_steps_per_s(f"{tmp}/data", f"{tmp}/studies"))
+            bare.append(bare_steps_per_s(f"{tmp}/data"))
+    s, b = statistics.median(service), statistics.median(bare)
+    return {
+        "step_ratio": figure(
+            "step_ratio",
+            s / b,
+            service_steps_per_s=s,
+            bare_steps_per_s=b,
+            steps=STEPS,
+            batch_size=BATCH,
+            repeats=REPEATS,
+            threads=1,
+        )
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(), indent=1))

@@ -1,0 +1,71 @@
+"""bench/results.json -> bench/results.md and the README's performance table (between the
+`<!-- bench:begin -->` and `<!-- bench:end -->` markers)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from bench.common import GOALS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+README = os.path.join(os.path.dirname(HERE), "README.md")
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+BASELINES = {
+    "step_ratio": ("service_steps_per_s", "bare_steps_per_s", "steps/s"),
+    "loader_vs_pyarrow": ("service_examples_per_s", "pyarrow_examples_per_s", "examples/s"),
+    "loader_vs_dataloader": ("service_examples_per_s", "dataloader_examples_per_s", "examples/s"),
+    "exposed_input_fraction": ("input_wait_s", "loop_wall_s", "s"),
+    "trial_overhead_ratio": ("service_overhead_s", "plain_overhead_s", "s"),
+    "checkpoint_ratio": ("save_s", "torch_save_s", "s"),
+    "async_checkpoint_stall_ratio": ("stall_s", "sync_save_s", "s"),
+    "loader_peak_rss_ratio": ("big_peak_rss_mb", "base_peak_rss_mb", "MB"),
+}
+
+
+def _num(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def markdown(results: dict) -> str:
+    figures = results["figures"]
+    lines = [
+        "| figure | value | goal | met | service / baseline (raw) | what |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in GOALS:
+        if key not in figures:
+            lines.append(f"| `{key}` | — | {GOALS[key][0]} {GOALS[key][1]:g} | not run | | {GOALS[key][2]} |")
+            continue
+        f = figures[key]
+        raw = ""
+        if key in BASELINES:
+            a, b, unit = BASELINES[key]
+            raw = f"{_num(f['raw'][a])} / {_num(f['raw'][b])} {unit}"
+        met = "yes" if f["pass"] else "**no**"
+        lines.append(f"| `{key}` | {_num(f['value'])} | {f['goal']} | {met} | {raw} | {f['what']} |")
+    m = results.get("machine", {})
+    lines.append("")
+    lines.append(
+        f"Measured {m.get('when', '?')} on {m.get('cpus', '?')} CPUs (load average "
+        f"{_num(m.get('load_avg_1m', '?'))}), medians over repeats; `make bench` regenerates it."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    with open(os.path.join(HERE, "results.json")) as f:
+        text = markdown(json.load(f))
+    with open(os.path.join(HERE, "results.md"), "w") as f:
+        f.write("# Benchmarks (generated from results.json by bench/table.py)\n\n" + text)
+    with open(README) as f:
+        readme = f.read()
+    if BEGIN in readme and END in readme:
+        head, rest = readme.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        with open(README, "w") as f:
+            f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The single-worker fast path: a trial of world size 1 trains inside its own Ray Tune function
+trial, with no Ray Train controller, worker group or placement group to start (most of a
+TorchTrainer.fit's ~15 s here). What Ray Train did for it is kept:
+
+- reports: every evaluation goes to Tune (`tune.report`), which the coordinator turns into rows;
+- checkpoints: written to the same `<study>/trials/<trial>/checkpoint_*` layout, the N best by
+  the metric plus the latest (`trainer.checkpoint_store`), in the background when
+  `training.async_checkpoint`;
+- failures: Tune restarts the trial (the coordinator's `FailureConfig`), and the restarted
+  trial resumes from its latest complete checkpoint on storage, which also survives a
+  restarted driver (Tune's own `get_checkpoint` would keep a second copy under tune/).
+"""
+
+from __future__ import annotations
+
+import ray
+import ray.tune
+import torch
+
+from service.topology import Topology
+from service.trainer import loop
+from service.trainer.checkpoint import TrialState
+from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.trial import TrialPlan
+
+
+def is_fast_path(scaling) -> bool:
+    """Trials of one worker skip Ray Train; several workers (or hosts) need its worker group."""
+    return scaling.world_size == 1
+
+
+class TuneReporter:
+    """`loop.Reporter` on Ray Tune: metrics to Tune; checkpoints are kept by the store."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        ray.tune.report(metrics)
+
+    def restore(self) -> TrialState | None:
+        return self.store.latest_state()
+
+
+def trial_store(plan: TrialPlan) -> CheckpointStore:
+    tr = plan.study.training
+    return CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode)
+
+
+def train_in_trial(plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
+    """Train (or resume) the trial in this process; returns its kept checkpoints (URI, meta)."""
+    scaling, tr = plan.study.scaling, plan.study.training
+    torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
+    store = trial_store(plan)
+    saver = AsyncCheckpointer(store) if tr.async_checkpoint else SyncCheckpointer(store)
+    topo = Topology(node_id=ray.get_runtime_context().get_node_id())
+    device = torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
+    loop.train(plan, topo, TuneReporter(store), device, batch_source, checkpointer=saver)
+    return store.complete()
+
+
+def fast_path_resources(scaling) -> dict:
+    """What a fast-path Tune trial reserves: its one worker's CPUs (and GPU)."""
+    return {"cpu": scaling.cpus_per_worker, **({"gpu": 1} if scaling.use_gpu else {})}

@@ -1,0 +1,223 @@
+"""A trial's checkpoints kept on storage without Ray Train (the single-worker fast path):
+`<trial>/checkpoint_<step>` directories, the N best by the metric plus the latest, each one
+either complete or not selectable; optionally saved in the background (`AsyncCheckpointer`).
+
+Selectable = a `checkpoint_*` directory with its manifest (`trainer.checkpoint`: sizes and
+sha256 of the other files, written last). On a local filesystem a checkpoint is written into a
+hidden `.partial-*` directory and renamed into place, so a crash mid-write leaves nothing
+selectable; on object stores state.pt and meta.json are uploaded before the manifest, and a
+resume verifies the files against it. Deletion runs the other way round (manifest first, or a
+rename away).
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import json
+import math
+import os
+import posixpath
+import shutil
+import tempfile
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from service import storage
+from service.trainer import checkpoint
+from service.trainer.checkpoint import TrialState
+
+PREFIX = "checkpoint_"
+PARTIAL = ".partial-"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+class CheckpointStore:
+    """Checkpoints of one trial under `trial_uri`, keeping `keep` best by `metric` + the latest."""
+
+    def __init__(self, trial_uri: str, keep: int, metric: str, mode: str):
+        self.trial_uri, self.keep, self.metric, self.mode = trial_uri.rstrip("/"), keep, metric, mode
+        self.fs, self.path = storage.split(self.trial_uri)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        # Superseded checkpoints are unselectable at once (renamed away / meta.json removed);
+        # freeing their bytes runs off the caller's path, on this thread.
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt-rm")
+        self._deletions: list[Future] = []
+        self.fs.makedirs(self.path, exist_ok=True)
+        for name in self._names():  # leftovers of a save that crashed: never selectable
+            if name.startswith((PARTIAL, ".deleting-")):
+                self.fs.rm(posixpath.join(self.path, name), recursive=True)
+
+    def _names(self) -> list[str]:
+        return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)]
+
+    def uri(self, step: int) -> str:
+        return storage.join(self.trial_uri, checkpoint_name(step))
+
+    def save(self, state: TrialState, metrics: dict) -> str:
+        """Write `state` as the checkpoint of its step, then drop what retention no longer keeps."""
+        name = checkpoint_name(state.step)
+        final = posixpath.join(self.path, name)
+        if self.local:
+            partial = posixpath.join(self.path, f"{PARTIAL}{name}-{uuid.uuid4().hex[:8]}")
+            checkpoint.save(state, partial, metrics)
+            if os.path.exists(final):  # a re-save of the same step after a resume
+                self._delete(name)
+            os.rename(partial, final)
+        else:
+            with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+                checkpoint.save(state, tmp, metrics)
+                self.fs.makedirs(final, exist_ok=True)
+                self.fs.put_file(os.path.join(tmp, checkpoint.STATE_FILE), f"{final}/{checkpoint.STATE_FILE}")
+                self.fs.put_file(os.path.join(tmp, checkpoint.META_FILE), f"{final}/{checkpoint.META_FILE}")
+                self.fs.put_file(
+                    os.path.join(tmp, checkpoint.MANIFEST_FILE), f"{final}/{checkpoint.MANIFEST_FILE}"
+                )
+        self._retain()
+        return self.uri(state.step)
+
+    def complete(self) -> list[tuple[str, dict]]:
+        """(URI, meta) of every selectable checkpoint, by step."""
+        out = []
+        for name in self._names():
+            if not name.startswith(PREFIX):
+                continue
+            folder = posixpath.join(self.path, name)
+            if not self.fs.exists(posixpath.join(folder, checkpoint.MANIFEST_FILE)):
+                continue  # not committed
+            try:
+                with self.fs.open(posixpath.join(folder, checkpoint.META_FILE), "rb") as f:
+                    meta = json.loads(f.read())
+            except (FileNotFoundError, ValueError):
+                continue
+            out.append((storage.join(self.trial_uri, name), meta))
+        return sorted(out, key=lambda um: um[1]["step"])
+
+    def latest_state(self) -> TrialState | None:
+        """The latest complete checkpoint's state (where a restarted trial resumes), or None."""
+        done = self.complete()
+        if not done:
+            return None
+        uri = done[-1][0]
+        return checkpoint.load_verified(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
+
+    def _retain(self) -> None:
+        done = self.complete()
+        sign = 1 if self.mode == "min" else -1
+
+        def score(meta: dict) -> tuple[float, int]:
+            v = meta.get("metrics", {}).get(self.metric)
+            finite = isinstance(v, float | int) and math.isfinite(v)
+            return (sign * v if finite else math.inf, meta["step"])
+
+        kept = {m["step"] for _, m in sorted(done, key=lambda um: score(um[1]))[: self.keep]}
+        if done:
+            kept.add(done[-1][1]["step"])  # the latest, for resuming
+        for uri, meta in done:
+            if meta["step"] not in kept:
+                self._delete(posixpath.basename(uri))
+
+    def _delete(self, name: str) -> None:
+        path = posixpath.join(self.path, name)
+        if self.local:
+            away = posixpath.join(self.path, f".deleting-{name}-{uuid.uuid4().hex[:8]}")
+            os.rename(path, away)
+            self._deletions.append(self._deleter.submit(shutil.rmtree, away))
+        else:
+            self.fs.rm_file(posixpath.join(path, checkpoint.MANIFEST_FILE))
+            self._deletions.append(self._deleter.submit(self.fs.rm, path, recursive=True))
+
+    def close(self) -> None:
+        """Wait until superseded checkpoints are deleted."""
+        done, self._deletions = self._deletions, []
+        for f in done:
+            f.result()
+
+
+def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
+    """A CPU copy of `state` that later training steps cannot change. With `buffers` (kept by
+    the caller between snapshots), tensors are copied into the same preallocated memory each
+    time (no fresh allocation and page faults; pinned memory for GPU tensors)."""
+    on_gpu = False
+
+    def copy(v, key: tuple):
+        nonlocal on_gpu
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            if buffers is None:
+                return v.to("cpu", copy=True)
+            buf = buffers.get(key)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                buf = buffers[key] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+            on_gpu = on_gpu or v.is_cuda
+            return buf.copy_(v, non_blocking=v.is_cuda)
+        if isinstance(v, dict):
+            return {k: copy(x, (*key, k)) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return type(v)(copy(x, (*key, i)) for i, x in enumerate(v))
+        return v
+
+    out = TrialState(
+        state.step,
+        copy(state.model, ("model",)),
+        copy(state.optimizer, ("optimizer",)),
+        copy(state.rng_states, ("rng",)),
+        copy_module.deepcopy(state.history),
+        dict(state.hparams),
+    )
+    if on_gpu:
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+    return out
+
+
+class AsyncCheckpointer:
+    """Saves into a `CheckpointStore` on a background thread. The training loop stalls only
+    for the snapshot (a memory copy) and, when the previous save is still running, for it:
+    at most one save is in flight, so memory holds at most one extra copy of the state.
+    A failed background save is raised by the next `save` or by `close`."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self._buffers: dict = {}  # reused: the previous save has finished before the next copy
+
+    def save(self, state: TrialState, metrics: dict) -> str:
+        self.wait()
+        copied = snapshot(state, self._buffers)
+        with self._lock:
+            self._pending = self._pool.submit(self.store.save, copied, dict(metrics))
+        return self.store.uri(state.step)
+
+    def wait(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            self.store.close()
+
+
+class SyncCheckpointer:
+    """The same interface, saving in the caller's thread."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+
+    def save(self, state: TrialState, metrics: dict) -> str:
+        return self.store.save(state, metrics)
+
+    def close(self) -> None:
+        self.store.close()

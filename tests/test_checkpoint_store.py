@@ -1,0 +1,103 @@
+"""The fast path's checkpoint store: best-N + latest retention (against a plain sort), crashed
+writes never selectable, async saves isolated from later training, errors surfaced, and the
+loop's checkpoints through the store equal to those it hands a Reporter."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from service.topology import Topology
+from service.trainer import checkpoint
+from service.trainer.checkpoint import TrialState
+from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.trainer.loop import train
+from tests.test_trainer_loop import Reporter, make_plan
+
+
+def state_at(step: int, value: float = 0.0) -> TrialState:
+    return TrialState(step, {"w": torch.full((3,), value)}, {}, [torch.get_rng_state()], [{"step": step}], {})
+
+
+@pytest.mark.parametrize("root", ["local", "memory"])
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_keeps_the_n_best_and_the_latest(tmp_path, root, mode):
+    uri = str(tmp_path / "trial") if root == "local" else f"memory://store-{mode}/trial"
+    store = CheckpointStore(uri, 2, "validation/loss", mode)
+    scores = np.random.default_rng(3).random(9)
+    for step, score in enumerate(scores, start=1):
+        store.save(state_at(step, float(score)), {"step": step, "validation/loss": float(score)})
+    store.close()
+    order = np.argsort(scores if mode == "min" else -scores)
+    expected = {int(i) + 1 for i in order[:2]} | {len(scores)}
+    assert [m["step"] for _, m in store.complete()] == sorted(expected)
+    latest = store.latest_state()
+    assert latest.step == len(scores)
+    assert torch.equal(latest.model["w"], torch.full((3,), float(scores[-1])))
+
+
+def test_a_crashed_write_is_never_selectable(tmp_path):
+    store = CheckpointStore(str(tmp_path), 3, "validation/loss", "min")
+    store.save(state_at(10), {"step": 10, "validation/loss": 1.0})
+    # A save killed before its rename: a hidden partial directory with a whole state.pt in it.
+    partial = tmp_path / ".partial-checkpoint_00000020-dead"
+    checkpoint.save(state_at(20), str(partial), {"step": 20, "validation/loss": 0.5})
+    # An object-store save killed between state.pt and meta.json.
+    torn = tmp_path / "checkpoint_00000030"
+    torn.mkdir()
+    torch.save({"format": checkpoint.FORMAT_VERSION, **state_at(30).__dict__}, torn / checkpoint.STATE_FILE)
+    assert [m["step"] for _, m in store.complete()] == [10]
+    assert store.latest_state().step == 10
+    CheckpointStore(str(tmp_path), 3, "validation/loss", "min")  # a restarted trial's store
+    assert not partial.exists()
+
+
+def test_async_save_is_isolated_from_later_steps(tmp_path):
+    store = CheckpointStore(str(tmp_path), 5, "validation/loss", "min")
+    saver = AsyncCheckpointer(store)
+    weights = torch.arange(1_000_000, dtype=torch.float32)
+    expected = []
+    for step in range(1, 4):
+        saver.save(TrialState(step, {"w": weights}, {}, [], [], {}), {"step": step, "validation/loss": 1.0})
+        expected.append(weights.clone())
+        weights.mul_(2.0).add_(1.0)  # the next training steps change the live tensor in place
+    saver.close()
+    for (uri, _), want in zip(store.complete(), expected, strict=True):
+        assert torch.equal(checkpoint.load(uri).model["w"], want)
+
+
+def test_a_failed_background_save_is_raised(tmp_path):
+    saver = AsyncCheckpointer(CheckpointStore(str(tmp_path), 2, "validation/loss", "min"))
+    bad = TrialState(1, {"w": torch.zeros(2)}, {}, [], [], {"not picklable": lambda: None})
+    saver.save(bad, {"step": 1, "validation/loss": 1.0})
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        saver.close()
+    assert CheckpointStore(str(tmp_path), 2, "validation/loss", "min").complete() == []
+
+
+def without_timing(history: list[dict]) -> str:
+    return json.dumps([{k: v for k, v in row.items() if k != "steps_per_s"} for row in history])
+
+
+def test_loop_checkpoints_through_the_store_equal_the_reported_ones(digits_dir, tmp_path):
+    plan = make_plan(digits_dir, tmp_path / "reported")
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+    for saver_kind in (SyncCheckpointer, AsyncCheckpointer):
+        plan_b = make_plan(digits_dir, tmp_path / saver_kind.__name__)
+        tr = plan_b.study.training
+        store = CheckpointStore(plan_b.trial_uri, 10, tr.metric, tr.mode)
+        train(plan_b, Topology(), Reporter(tmp_path / "unused"), checkpointer=saver_kind(store))
+        stored = {m["step"]: uri for uri, m in store.complete()}
+        assert sorted(stored) == [m["step"] for m, _ in reporter.reports]
+        for metrics, directory in reporter.reports:
+            want, got = checkpoint.load(directory), checkpoint.load(stored[metrics["step"]])
+            assert got.step == want.step
+            assert without_timing(got.history) == without_timing(want.history)
+            for key in want.model:
+                assert torch.equal(got.model[key], want.model[key]), key
+            assert torch.equal(got.rng_states[0], want.rng_states[0])
