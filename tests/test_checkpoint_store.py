@@ -80,7 +80,9 @@ def test_a_failed_background_save_is_raised(tmp_path):
 
 
 def without_timing(history: list[dict]) -> str:
-    return json.dumps([{k: v for k, v in row.items() if k != "steps_per_s"} for row in history])
+    from service.trainer.loop import TIMING_FIELDS
+
+    return json.dumps([{k: v for k, v in row.items() if k not in TIMING_FIELDS} for row in history])
 
 
 def test_loop_checkpoints_through_the_store_equal_the_reported_ones(digits_dir, tmp_path):

@@ -20,6 +20,7 @@ import yaml
 
 from service import spec
 from service.trainer import checkpoint
+from service.trainer.loop import TIMING_FIELDS
 from service.trial import TrialPlan
 from tests.conftest import session_pids, study_dict
 
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 STEPS, EVERY = 300, 60
 LEARNING_RATES = [0.05, 1e20, 0.1]  # explore-0001 diverges; explore-0002 runs after it
 TRIALS = [f"explore-{i:04d}" for i in range(len(LEARNING_RATES))]
-DROP = ("steps_per_s",)
+DROP = TIMING_FIELDS
 
 
 def study_raw(digits_dir, storage) -> dict:

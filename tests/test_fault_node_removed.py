@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from service.trainer import checkpoint
+from service.trainer.loop import TIMING_FIELDS
 from service.trial import TrialPlan
 from tests.conftest import make_study
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 STEPS, EVERY = 600, 60
-DROP = ("steps_per_s",)
+DROP = TIMING_FIELDS
 
 
 @pytest.fixture(scope="module")

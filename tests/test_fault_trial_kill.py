@@ -15,6 +15,7 @@ import torch
 
 from service.trainer import checkpoint
 from service.trainer.checkpoint_store import CheckpointStore
+from service.trainer.loop import TIMING_FIELDS
 from tests.conftest import make_study
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -37,7 +38,7 @@ def trial_dir(study) -> str:
 
 def log(study) -> list[dict]:
     with open(os.path.join(trial_dir(study), "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
 
 
 def complete_steps(study) -> list[int]:
