@@ -1,17 +1,16 @@
-"""The one place the loader benchmarks reach the service's training input. Re-point
-`service_batches` when the loader changes (issue #5's streaming, prefetching loader); the
-benchmarks and their results.json keys stay the same."""
+"""The one place the loader benchmarks reach the service's training input: the streaming,
+prefetching loader (`service.data.loader.iterate_files`) over a directory of digits-like files."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
+import pyarrow as pa
 import torch
 
 from service import workloads
-from service.data.files import list_files
-from service.data.loader import TrainStream
-from service.data.sharding import train_shard
+from service.data.loader import iterate_files
 
 Batch = dict[str, torch.Tensor]
 
@@ -22,13 +21,19 @@ def service_batches(
     num_batches: int,
     seed: int = 0,
     preprocess: Callable[[Batch], Batch] | None = None,
+    prefetch_batches: int = 2,
 ) -> Iterator[Batch]:
     """`num_batches` training batches of one rank (one host, one worker) as the trainer gets
-    them, opening the files included; `preprocess` applied to each batch. The current loader
-    reads the whole shard up front and has no prefetch, so preprocessing runs in line."""
+    them, opening the files included. `preprocess` runs where a workload's online
+    preprocessing runs: inside `to_batch`, on the loader's prefetch thread when there is one."""
     workload = workloads.get("digits")
-    ranges = train_shard(list_files(train_uri), 1, 0, 1, 0)
-    stream = TrainStream(workload, ranges, batch_size, seed)
-    for step in range(num_batches):
-        batch = stream.batch(step)
-        yield preprocess(batch) if preprocess else batch
+    if preprocess is not None:
+        base = workload
+
+        class Preprocessed(type(base)):
+            def to_batch(self, table: pa.Table) -> Batch:
+                return preprocess(base.to_batch(table))
+
+        workload = Preprocessed()
+    batches = iterate_files(workload, [train_uri], batch_size, seed, prefetch_batches=prefetch_batches)
+    return itertools.islice(batches, num_batches)
