@@ -221,6 +221,8 @@ def prune_unregistered(plan: TrialPlan, result) -> list[str]:
     persisted after its driver or controller died (Ray's snapshot does not know them, so its
     retention never deletes them). Returns the removed paths."""
     kept = {c.path.rstrip("/") for c, _ in result.best_checkpoints}
+    if result.checkpoint is not None:  # the latest, kept besides the N best (for resuming)
+        kept.add(result.checkpoint.path.rstrip("/"))
     fs, trial_path = storage.split(plan.trial_uri)
     try:
         entries = fs.ls(trial_path, detail=True)

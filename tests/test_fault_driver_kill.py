@@ -25,7 +25,7 @@ from service.trial import TrialPlan
 from tests.conftest import session_pids, study_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
-STEPS, EVERY = 300, 60
+STEPS, EVERY = 3000, 500  # long enough (seconds, on the fast path) to kill the last trial mid-run
 LEARNING_RATES = [0.05, 1e20, 0.1]  # explore-0001 diverges; explore-0002 runs after it
 TRIALS = [f"explore-{i:04d}" for i in range(len(LEARNING_RATES))]
 DROP = TIMING_FIELDS
@@ -71,10 +71,17 @@ def read_log(study_uri, name) -> list[dict]:
 
 
 def registered_steps(study_uri, name) -> list[int]:
+    """Steps a restarted trial can resume from: the committed checkpoints on storage (the
+    single-worker fast path resumes from those; a Ray Train run from those its controller
+    registered, listed in its snapshot)."""
     try:
         with open(os.path.join(trial_dir(study_uri, name), "checkpoint_manager_snapshot.json")) as f:
             return [r["metrics"]["step"] for r in json.load(f)["checkpoint_results"]]
     except (OSError, ValueError, KeyError):
+        pass
+    try:
+        return sorted(committed(study_uri, name))
+    except OSError:
         return []
 
 

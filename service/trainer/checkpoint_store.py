@@ -55,7 +55,11 @@ class CheckpointStore:
                 self.fs.rm(posixpath.join(self.path, name), recursive=True)
 
     def _names(self) -> list[str]:
-        return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)]
+        try:
+            listed = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:  # an object store has no folder before its first object
+            return []
+        return [posixpath.basename(p.rstrip("/")) for p in listed]
 
     def uri(self, step: int) -> str:
         return storage.join(self.trial_uri, checkpoint_name(step))
