@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 
 from service import spec
 from service.errors import PlaybookError, StudyNotFound
+from service.tracking import cell
 
 DEMO_STUDY = "studies/digits-demo.yaml"
 
@@ -229,7 +229,7 @@ def cmd_studies(args) -> int:
         raise StudyNotFound(f"{root}: no studies recorded there (no {study_index.INDEX_DIR}/)")
     cols = ["study", "state", "trials", "trials_finished", "trials_diverged", "trials_failed"]
     cols += ["best_metric", "best_trial", "git_commit"]
-    lines = [[_cell(r.get(c)) for c in cols] for r in rows]
+    lines = [[cell(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     for line in [cols, *lines]:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
@@ -291,16 +291,16 @@ def cmd_eval(args) -> int:
     metrics = json.loads(storage.read_bytes(storage.join(out, "metrics.json")))
     per_class = metrics.pop("per_class", None)
     for k in sorted(metrics):
-        print(f"{args.split}/{k}: {_cell(metrics[k])}")
+        print(f"{args.split}/{k}: {cell(metrics[k])}")
     if per_class:
         print("class  support  precision [95% CI]        recall [95% CI]     one example moves recall by")
         for c in per_class:
             p_lo, p_hi = c["precision_interval"]
             r_lo, r_hi = c["recall_interval"]
             print(
-                f"{c['class']:>5}  {c['support']:>7}  {_cell(c['precision']):>6} "
-                f"[{p_lo:.3f}, {p_hi:.3f}]  {_cell(c['recall']):>6} [{r_lo:.3f}, {r_hi:.3f}]  "
-                f"{_cell(c['recall_per_example'])}"
+                f"{c['class']:>5}  {c['support']:>7}  {cell(c['precision']):>6} "
+                f"[{p_lo:.3f}, {p_hi:.3f}]  {cell(c['recall']):>6} [{r_lo:.3f}, {r_hi:.3f}]  "
+                f"{cell(c['recall_per_example'])}"
             )
     print(f"metrics and predictions: {out}")
     return 0
@@ -354,7 +354,7 @@ def print_table(rows: list[dict], metric: str, mode: str) -> None:
     cols = ["trial_name", "status", "step", *hp_cols, "best_metric", "best_step"]
     header = [c.removeprefix("hp/") for c in cols]
     header[cols.index("best_metric")] = f"best {metric}"
-    lines = [[_cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: r["trial_name"])]
+    lines = [[cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: r["trial_name"])]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for line in lines:
@@ -364,18 +364,10 @@ def print_table(rows: list[dict], metric: str, mode: str) -> None:
         sign = 1 if mode == "min" else -1
         best = min(done, key=lambda r: sign * r["best_metric"])
         print(
-            f"best trial: {best['trial_name']} {metric}={_cell(best['best_metric'])} "
+            f"best trial: {best['trial_name']} {metric}={cell(best['best_metric'])} "
             f"at step {best.get('best_step')}"
         )
         print(f"best checkpoint: {best.get('best_checkpoint')}")
-
-
-def _cell(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ to `<study>/trials.parquet` and `<study>/trials.csv` whenever a trial changes st
 from __future__ import annotations
 
 import io
+import math
 import threading
 import time
 
@@ -96,3 +97,12 @@ def register(study_name: str, table: TrialTable) -> None:
 
 def registered(study_name: str) -> TrialTable:
     return _OPEN_TABLES[study_name]
+
+
+def cell(v) -> str:
+    """A value as a table cell: '-' for none, floats with 4 significant digits."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)

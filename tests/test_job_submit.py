@@ -161,13 +161,7 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
             )
             seen_live = st.returncode == 0 and "study submitted: running" in st.stdout
         time.sleep(2)
-    logs = subprocess.run(
-        [f"{BIN}/ray", "job", "logs", "--address", address, job_id],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+    logs = job_logs(address, job_id, env)
     assert state == "SUCCEEDED", logs[-4000:]
     assert seen_live, "playbook status never reached the running coordinator"
     assert "best trial: explore-000" in logs
@@ -284,11 +278,14 @@ def wait_for_job(address: str, job_id: str, env: dict, timeout_s: float) -> tupl
     while state == "RUNNING" and time.time() < deadline:
         time.sleep(2)
         state = job_state(address, job_id, env)
-    logs = subprocess.run(
+    return state, job_logs(address, job_id, env)
+
+
+def job_logs(address: str, job_id: str, env: dict) -> str:
+    return subprocess.run(
         [f"{BIN}/ray", "job", "logs", "--address", address, job_id],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     ).stdout
-    return state, logs

@@ -4,11 +4,11 @@ scripts, nothing fetched), so it can be mailed, attached or opened from any stor
 from __future__ import annotations
 
 import html
-import math
 import time
 
 from service.report.load import StudyData
 from service.report.sentences import Sentence
+from service.tracking import cell
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em; color: #222; }
@@ -24,14 +24,6 @@ code { background: #f4f4f4; padding: 1px 3px; }
 
 def _e(v) -> str:
     return html.escape(str(v), quote=True)
-
-
-def cell(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
 
 
 def _link(uri: str | None) -> str:
