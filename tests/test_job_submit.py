@@ -253,6 +253,15 @@ def test_rayjob_entrypoint_runs_on_a_token_auth_head(tmp_path):
             timeout=120,
         )
         assert status.returncode == 0, status.stderr[-3000:]
+        # ... and `playbook report` of the study URI writes the HTML report beside it on gs://.
+        report = subprocess.run(
+            [sys.executable, "-m", "service", "report", f"{study.storage}/{study.name}"],
+            env=client_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert report.returncode == 0, report.stderr[-3000:]
 
         # What the job wrote, read straight from the emulator's JSON API.
         endpoint = gcs_env["STORAGE_EMULATOR_HOST"]
@@ -264,6 +273,8 @@ def test_rayjob_entrypoint_runs_on_a_token_auth_head(tmp_path):
         stored = list_objects(endpoint, study_uri)
         for r in rows:  # each trial's best checkpoint went to gs:// from the training worker
             assert any(u.startswith(r["best_checkpoint"] + "/") for u in stored), r["best_checkpoint"]
+        page = read_object(endpoint, f"{study_uri}/report.html").decode()
+        assert all(r["trial_name"] in page for r in rows) and page.count("data:image/png;base64,") >= 3
 
     assert f"study {study.name}: stored at {study.storage}/{study.name}" in status.stdout
     best = min(rows, key=lambda r: r["best_metric"])
