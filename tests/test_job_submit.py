@@ -120,8 +120,11 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
     storage = tmp_path / "storage"
     work = tmp_path / "work"
     work.mkdir()
+    # Long enough (seconds per trial on the single-worker fast path) for a status call to find
+    # the coordinator running.
+    steps = 6000
     study = study_dict(
-        digits_dir, storage, name="submitted", training={"max_train_steps": 200, "eval_every_steps": 50}
+        digits_dir, storage, name="submitted", training={"max_train_steps": steps, "eval_every_steps": 1500}
     )
     (work / "study.yaml").write_text(yaml.safe_dump(study))
 
@@ -168,7 +171,7 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
 
     rows = pq.read_table(str(storage / "submitted" / "trials.parquet")).to_pylist()
     assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001"]
-    assert all(r["status"] == "FINISHED" and r["step"] == 200 for r in rows)
+    assert all(r["status"] == "FINISHED" and r["step"] == steps for r in rows)
 
     # The job ran with the auth token, but it is in neither the job log nor any stored file.
     token = env["RAY_AUTH_TOKEN"]
