@@ -153,3 +153,17 @@ def kind(v: Any) -> str:
     if isinstance(v, str):
         return f"string {v!r}"
     return f"{type(v).__name__} {v!r}"
+
+
+def positive(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v <= 0:
+            yield n, f"must be > 0 (got {v})"
+
+
+def non_negative(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v < 0:
+            yield n, f"must be >= 0 (got {v})"

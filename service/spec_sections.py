@@ -1,0 +1,79 @@
+"""Study-file sections that belong to one practice each: the input pipeline (`input:`), the
+max_train_steps finder (`find_steps:`) and tracking (`tracking:`). `service.spec` assembles
+them into the Study; the strict loader treats them like every other section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from service.strict import non_negative, positive
+
+
+@dataclass(frozen=True)
+class InputPipeline:
+    """How each rank loads its training batches (see `service/data/loader.py`)."""
+
+    prefetch_batches: int = 2
+    """Batches a background thread prepares ahead of the step (0: no thread, the step waits
+    for each batch). Raise it when the input-bound verdict says prefetch is too shallow."""
+    shuffle_window_row_groups: int = 4
+    """Row groups whose rows are shuffled together (after shuffling the order of row groups
+    every epoch). Larger mixes better and holds more rows in memory per rank."""
+    input_bound_threshold: float = 0.2
+    """A trial is input-bound when its steps spend more than this fraction of their time
+    waiting for the next batch (`input/exposed_fraction`, over all ranks)."""
+    profile_steps: int = 0
+    """Trace this many training steps (after the first) with the torch profiler on rank 0 and
+    write `trials/<trial>/profile/rank0.trace.json` (open it in https://ui.perfetto.dev)."""
+
+    workers: Literal["local", "ray_data"] = "local"
+    """Who reads and preprocesses a rank's windows: `local` (its own prefetch thread) or
+    `ray_data` (a pool of Ray Data actors per rank, for CPU-heavy online preprocessing; the same
+    shards, seeds and batches, bit for bit)."""
+    num_input_workers: int = 2
+    """With `workers: ray_data`: Ray Data actors per training rank."""
+    cpus_per_input_worker: float = 1.0
+    """With `workers: ray_data`: CPUs reserved by each input actor (besides the trainers')."""
+
+    def errors(self):
+        yield from positive(self, "num_input_workers", "cpus_per_input_worker")
+        yield from non_negative(self, "prefetch_batches", "profile_steps")
+        yield from positive(self, "shuffle_window_row_groups")
+        if not 0 < self.input_bound_threshold < 1:
+            yield "input_bound_threshold", f"must be in (0, 1) (got {self.input_bound_threshold})"
+
+
+@dataclass(frozen=True)
+class FindSteps:
+    learning_rates: tuple[float, ...]
+    """The constant learning rates to try (a grid; the fastest must not be at either end)."""
+    max_train_steps: int
+    """Steps per sweep trial (N): a trial that has not fit the training set by then does not."""
+    train_loss_threshold: float
+    """The training set counts as fit once the mean training loss over an eval interval is at
+    or below this."""
+    eval_every_steps: int = 10
+    """How often the training loss is read (the resolution of the answer)."""
+
+    def errors(self):
+        if len(self.learning_rates) < 3:
+            yield "learning_rates", "needs at least 3 values (the best must not be at an edge)"
+        if any(lr <= 0 for lr in self.learning_rates):
+            yield "learning_rates", "must all be > 0"
+        if list(self.learning_rates) != sorted(set(self.learning_rates)):
+            yield "learning_rates", "must be strictly increasing"
+        yield from positive(self, "max_train_steps", "train_loss_threshold", "eval_every_steps")
+
+
+@dataclass(frozen=True)
+class Tracking:
+    mlflow_uri: str | None = None
+    """Mirror every trial to MLflow at this tracking URI (e.g. `file:///shared/mlruns` or
+    `http://mlflow:5000`): params, per-evaluation metrics, tags with the git commit. Off when
+    unset; mlflow is imported only then (install it yourself: `pip install mlflow-skinny`)."""
+    progress_interval_s: float = 10.0
+    """At most one progress line per trial this often in the job log (plus its last one)."""
+
+    def errors(self):
+        yield from positive(self, "progress_interval_s")
