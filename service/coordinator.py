@@ -28,6 +28,8 @@ TRIAL_DRIVER_CPU = 0.01
 # Tune restarts a trial whose process died (a fast-path trial resumes from its latest
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
+# A trial whose row has one of these is over; a rerun of the study does not start it again.
+DONE = ("FINISHED", "DIVERGED")
 
 
 def actor_name(study_name: str) -> str:
@@ -166,6 +168,20 @@ class Coordinator:
                     **{k: c[k] for k in ("seed", "extended_from", "schedule_origin") if k in c},
                 )
         self.table.save()
+        # The trial table, not Tune's experiment state, says what is done: Tune snapshots its
+        # state every few seconds, so a driver killed just after a trial ended would have Tune
+        # run that trial again. Trials not done are started anew and resume from their own
+        # checkpoints on storage (a Train run is named after its trial; the fast path reads the
+        # trial folder), so restoring Tune's experiment adds nothing.
+        todo = [c for c in configs if self.table.rows[c["trial_name"]].get("status") not in DONE]
+        if len(todo) < len(configs):
+            print(
+                f"round {rnd.name}: resuming from {self.study.study_uri}: "
+                f"{len(configs) - len(todo)} of {len(configs)} trials already done",
+                flush=True,
+            )
+        if not todo:
+            return
         fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
         scaling = self.study.scaling
         resources = (
@@ -174,29 +190,20 @@ class Coordinator:
             else {"cpu": TRIAL_DRIVER_CPU}
         )
         trainable = tune.with_resources(tune.with_parameters(launch.tune_trial, study=self.study), resources)
-        experiment = storage.join(storage.join(self.study.study_uri, "tune"), rnd.name)
-        if tune.Tuner.can_restore(experiment, storage_filesystem=fs):
-            print(f"round {rnd.name}: resuming from {experiment}", flush=True)
-            tuner = tune.Tuner.restore(
-                experiment, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs
-            )
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space={"trial": tune.grid_search(configs)},
-                tune_config=tune.TuneConfig(max_concurrent_trials=self._concurrency(rnd)),
-                run_config=tune.RunConfig(
-                    name=rnd.name,
-                    storage_path=tune_path,
-                    storage_filesystem=fs,
-                    verbose=0,
-                    failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
-                    callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
-                ),
-            )
-        print(
-            f"round {rnd.name}: {len(configs)} trials, at most {self._concurrency(rnd)} at once", flush=True
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"trial": tune.grid_search(todo)},
+            tune_config=tune.TuneConfig(max_concurrent_trials=self._concurrency(rnd)),
+            run_config=tune.RunConfig(
+                name=rnd.name,
+                storage_path=tune_path,
+                storage_filesystem=fs,
+                verbose=0,
+                failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
+                callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
+            ),
         )
+        print(f"round {rnd.name}: {len(todo)} trials, at most {self._concurrency(rnd)} at once", flush=True)
         tuner.fit()
 
     def _concurrency(self, rnd: Round) -> int:

@@ -136,6 +136,32 @@ def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
     }
 
 
+def test_the_trial_table_not_tunes_state_says_which_trials_are_done(finished_study):
+    """Tune snapshots its experiment state every few seconds, so after a driver is killed it can
+    lag the trial table; a rerun must go by the table. With Tune's state gone altogether, no
+    trial starts again (every start rewrites the trial's topology.json)."""
+    import shutil
+
+    from service.coordinator import run_study
+
+    study, explore, exploit = finished_study
+    names = [r["trial_name"] for r in explore + exploit]
+
+    def topologies():
+        out = {}
+        for n in names:
+            with open(os.path.join(study.study_uri, "trials", n, "topology.json")) as f:
+                out[n] = f.read()
+        return out
+
+    before = topologies()
+    shutil.rmtree(os.path.join(study.study_uri, "tune"))
+    rows = run_study(study)
+    assert topologies() == before
+    assert sorted(r["trial_name"] for r in rows) == sorted(names)
+    assert not os.path.exists(os.path.join(study.study_uri, "tune"))
+
+
 def test_offline_eval_of_the_best_checkpoint_on_the_test_split(finished_study, digits_dir):
     from service.evaluation.offline import output_uri
     from service.launch import run_offline_eval
