@@ -158,19 +158,22 @@ def check_storage(study: Study) -> None:
         raise StorageError(f"storage: {study.storage} is not usable ({e})") from None
     created = []
     parent = path.rsplit("/", 1)[0]
-    while "/" in parent.strip("/") and not fs.exists(parent):
-        created.append(parent)
-        parent = parent.rsplit("/", 1)[0]
+    try:
+        while "/" in parent.strip("/") and not fs.exists(parent):
+            created.append(parent)
+            parent = parent.rsplit("/", 1)[0]
+    except storage.storage_errors() as e:
+        raise StorageError(f"storage: {study.storage} is not reachable ({storage.describe(e)})") from None
     try:
         storage.write_bytes_atomic(probe, b"ok")
         fs.rm(path)
-    except (StorageError, OSError) as e:
-        raise StorageError(f"storage: {study.storage} is not writable ({e})") from None
+    except (StorageError, *storage.storage_errors()) as e:
+        raise StorageError(f"storage: {study.storage} is not writable ({storage.describe(e)})") from None
     finally:
         for folder in created:  # innermost first; only empty folders go
             try:
                 fs.rmdir(folder)
-            except OSError:
+            except storage.storage_errors():
                 break
 
 

@@ -4,11 +4,12 @@ of one worker takes the fast path instead (`fast_path`: the loop inside the Tune
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-import os
 import uuid
 
+import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.tune
@@ -45,18 +46,37 @@ class RayTrainReporter:
             except CheckpointError as e:
                 # Ray's latest registered checkpoint is torn on storage: resume from the newest
                 # committed one beside it instead (never from a half-written one).
-                local = ckpt.filesystem.type_name == "local"
-                fallback = _newest_committed_sibling(ckpt.path) if local else None
+                fallback = newest_committed_sibling(ckpt.filesystem, ckpt.path)
                 if fallback is None:
                     raise
-                print(f"warning: {e}; resuming from {fallback}", flush=True)
-                return checkpoint.load(fallback)
+                where, state = fallback
+                print(f"warning: {e}; resuming from {where}", flush=True)
+                return state
 
 
-def _newest_committed_sibling(path: str) -> str | None:
-    parent = os.path.dirname(path.rstrip("/"))
-    siblings = [os.path.join(parent, d) for d in os.listdir(parent) if d.startswith("checkpoint_")]
-    return checkpoint.latest_complete([d for d in siblings if os.path.isdir(d)])
+def newest_committed_sibling(fs: pafs.FileSystem, path: str) -> tuple[str, TrialState] | None:
+    """The newest committed checkpoint among the siblings of the one at `path`, read through
+    Ray's storage filesystem (local, or gs:// wrapped by `storage.ray_storage`): (path, state)."""
+    parent = path.rstrip("/").rsplit("/", 1)[0]
+    best: tuple[int, str, bytes] | None = None
+    for info in fs.get_file_info(pafs.FileSelector(parent)):
+        if info.type != pafs.FileType.Directory or not info.base_name.startswith("checkpoint_"):
+            continue
+
+        def read(name: str, folder: str = info.path) -> bytes:
+            with fs.open_input_stream(f"{folder}/{name}") as f:
+                return f.read()
+
+        try:
+            files = checkpoint.verify(info.path, read)
+        except CheckpointError:
+            continue
+        step = json.loads(files[checkpoint.META_FILE])["step"]
+        if best is None or step > best[0]:
+            best = (step, info.path, files[checkpoint.STATE_FILE])
+    if best is None:
+        return None
+    return best[1], checkpoint.load_file(io.BytesIO(best[2]))
 
 
 def worker_topology() -> Topology:

@@ -3,31 +3,51 @@
 
 The playbook: "experiments that aren't tracked might as well not exist". The reproduction
 command is an argument list (run without a shell) that reruns the stored, resolved study file;
-with the commit checked out and the diff applied, it plans the same trials again.
+with the commit checked out and the diff applied, it plans the same trials again. Against the
+same storage it resumes the stored study (finished trials are kept); `--storage ELSEWHERE`
+trains it again from scratch.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from service import storage
 
 DIFF_FILE = "uncommitted.diff"
 
 
-def _git(cwd: str, *args: str) -> str | None:
+def _git(cwd: str, *args: str, env: dict | None = None) -> bytes | None:
     try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=30, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
 
 
+def uncommitted_diff(cwd: str) -> bytes:
+    """Every change against HEAD, new files not yet added to git included (`git diff HEAD`
+    alone misses them: a new workload module would look like a clean tree). Staged through a
+    throwaway copy of the index, so the user's own index is left as it was. Binary-safe."""
+    git_dir = (_git(cwd, "rev-parse", "--absolute-git-dir") or b"").decode().strip()
+    with tempfile.TemporaryDirectory(prefix="playbook-git-") as tmp:
+        index = os.path.join(tmp, "index")
+        if os.path.exists(os.path.join(git_dir, "index")):
+            shutil.copyfile(os.path.join(git_dir, "index"), index)
+        env = {**os.environ, "GIT_INDEX_FILE": index}
+        if _git(cwd, "add", "--all", ".", env=env) is None:
+            return _git(cwd, "diff", "HEAD", "--binary") or b""
+        return _git(cwd, "diff", "--cached", "HEAD", "--binary", env=env) or b""
+
+
 def capture(cwd: str, study_uri: str) -> dict:
     """Record provenance for the study at `study_uri` run from `cwd`; returns what was saved."""
-    commit = (_git(cwd, "rev-parse", "HEAD") or "").strip() or None
-    diff = _git(cwd, "diff", "HEAD", "--binary") if commit else None
+    commit = (_git(cwd, "rev-parse", "HEAD") or b"").decode().strip() or None
+    diff = uncommitted_diff(cwd) if commit else None
     record = {
         "git_commit": commit,
         "git_dirty": bool(diff),
@@ -35,6 +55,6 @@ def capture(cwd: str, study_uri: str) -> dict:
         "reproduce": [sys.executable, "-m", "service", "run", storage.join(study_uri, "study.yaml")],
     }
     if diff:
-        storage.write_bytes_atomic(record["uncommitted_diff"], diff.encode())
+        storage.write_bytes_atomic(record["uncommitted_diff"], diff)
     storage.write_json(storage.join(study_uri, "provenance.json"), record)
     return record

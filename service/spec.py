@@ -16,6 +16,7 @@ from typing import Literal
 
 import yaml
 
+from service import storage
 from service.errors import SpecError
 from service.spec_sections import FindSteps, InputPipeline, Tracking
 from service.strict import Scalar, build, load_yaml
@@ -350,10 +351,13 @@ class Study:
 def load_file(path: str | os.PathLike) -> Study:
     """Read and validate a study file. Raises SpecError naming the file or the field."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        if "://" in str(path):  # a stored study file (gs://..., the reproduction command's)
+            text = storage.read_bytes(str(path)).decode("utf-8")
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
     except OSError as e:
-        raise SpecError(f"{path}: cannot read study file ({e.strerror})") from None
+        raise SpecError(f"{path}: cannot read study file ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise SpecError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     return load_text(text, source=str(path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -92,19 +93,37 @@ PERMANENT_ERRORS = (PermissionError, FileNotFoundError, IsADirectoryError, NotAD
 """Errors that a retry cannot fix; every other OSError (a dropped connection, a timeout, a 5xx
 from an object store) is taken as transient."""
 PERMANENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
+TRANSIENT_HTTP_CODES = {408, 429, 500, 502, 503, 504}
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a storage call raises when storage fails: OSError, and gcsfs's HttpError (not an
+    OSError) once gcsfs is in use. gcsfs is never imported here just to name its error."""
+    retry = sys.modules.get("gcsfs.retry")
+    return (OSError, retry.HttpError) if retry else (OSError,)
 
 
 def is_transient(e: BaseException) -> bool:
-    return isinstance(e, OSError) and not isinstance(e, PERMANENT_ERRORS) and e.errno not in PERMANENT_ERRNOS
+    if isinstance(e, OSError):
+        if str(e).startswith("Forbidden"):  # gcsfs's HTTP 403: an OSError without errno
+            return False
+        return not isinstance(e, PERMANENT_ERRORS) and e.errno not in PERMANENT_ERRNOS
+    code = getattr(e, "code", None)  # gcsfs HttpError, after gcsfs's own retries
+    return isinstance(e, storage_errors()) and str(code) in {str(c) for c in TRANSIENT_HTTP_CODES}
+
+
+def describe(e: BaseException) -> str:
+    """An error as one line (gcsfs puts the server's message on a second line)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def with_retries(fn: Callable[[], T], attempts: int = 5, first_delay_s: float = 0.05) -> T:
-    """Call `fn`, retrying transient OSErrors with exponential backoff (0.05, 0.1, 0.2, ... s);
-    a permanent error, or the last transient one, is raised."""
+    """Call `fn`, retrying transient storage errors with exponential backoff (0.05, 0.1, 0.2,
+    ... s); a permanent error, or the last transient one, is raised."""
     for attempt in range(attempts):
         try:
             return fn()
-        except OSError as e:
+        except storage_errors() as e:
             if attempt == attempts - 1 or not is_transient(e):
                 raise
             time.sleep(first_delay_s * 2**attempt)
@@ -118,8 +137,8 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     fs, path = split(uri)
     try:
         with_retries(lambda: _write_once(fs, path, data))
-    except OSError as e:
-        raise StorageError(f"{uri}: cannot write ({e})") from None
+    except storage_errors() as e:
+        raise StorageError(f"{uri}: cannot write ({describe(e)})") from None
 
 
 def _write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:

@@ -36,12 +36,14 @@ def _executable() -> str:
     return here if os.path.exists(here) else shutil.which("gcp-storage-emulator") or here
 
 
-def start_emulator(log_path: str, default_bucket: str | None = None) -> tuple[subprocess.Popen, str]:
-    """Start the emulator (in memory, with `default_bucket` created if given) and wait until it
-    answers; returns (process, endpoint)."""
-    port = _free_port()
+def start_emulator(
+    log_path: str, default_bucket: str | None = None, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start the emulator (in memory, with `default_bucket` created if given; on `port`, else a
+    free one) and wait until it answers; returns (process, endpoint)."""
+    port = port or _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
         [_executable(), "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "-q"]
         + ([f"--default-bucket={default_bucket}"] if default_bucket else []),

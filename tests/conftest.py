@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import socket
+import time
 
 import pytest
 
@@ -123,6 +125,19 @@ def session_pids(sid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
     return pids
+
+
+def end_session(proc) -> None:
+    """Wait for the processes of the killed driver's session (its embedded Ray) to go; kill
+    what is left of them, by pid (all of them were started by this test)."""
+    deadline = time.time() + 60
+    while session_pids(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    for pid in session_pids(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def digits_logits(state, split_dir) -> tuple:

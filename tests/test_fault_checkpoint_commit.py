@@ -121,3 +121,35 @@ def test_a_checkpoint_whose_files_were_mixed_is_refused(uninterrupted, tmp_path)
     with pytest.raises(CheckpointError, match="state.pt does not match manifest.json"):
         checkpoint.load(str(mixed))
     assert checkpoint.latest_complete([str(mixed), os.path.join(store, "checkpoint_000000")]).endswith("0000")
+
+
+def test_a_torn_latest_checkpoint_on_object_storage_falls_back_to_the_newest_committed(tmp_path):
+    """What Ray Train's restore sees on gs://: its storage filesystem is an fsspec filesystem
+    wrapped for pyarrow (`storage.ray_storage`); here fsspec's memory:// behind the same wrapper.
+    Checkpoints 10 and 20 are whole, 30 lost its manifest and half its state.pt (a cut copy)."""
+    import pyarrow.fs as pafs
+
+    from service import launch, storage
+
+    root = "memory://torn-fallback/trial"
+    fs, _ = storage.split(root)
+    states = {}
+    for step in (10, 20, 30):
+        states[step] = checkpoint.TrialState(step, {"w": torch.full((3,), float(step))}, {}, [], [], {})
+        local = tmp_path / f"c{step}"
+        checkpoint.save(states[step], str(local), {"step": step})
+        for name in os.listdir(local):
+            fs.pipe(f"/torn-fallback/trial/checkpoint_{step:06d}/{name}", (local / name).read_bytes())
+    fs.rm("/torn-fallback/trial/checkpoint_000030/" + checkpoint.MANIFEST_FILE)
+    state_file = "/torn-fallback/trial/checkpoint_000030/" + checkpoint.STATE_FILE
+    fs.pipe(state_file, fs.cat(state_file)[:100])
+
+    wrapped, path = storage.ray_storage(root)
+    where, state = launch.newest_committed_sibling(wrapped, f"{path}/checkpoint_000030")
+    assert where.rstrip("/").endswith("checkpoint_000020") and state.step == 20
+    assert torch.equal(state.model["w"], states[20].model["w"])
+
+    fs.rm("/torn-fallback/trial/checkpoint_000010", recursive=True)  # no committed one but 20
+    fs.rm("/torn-fallback/trial/checkpoint_000020/" + checkpoint.MANIFEST_FILE)
+    assert launch.newest_committed_sibling(wrapped, f"{path}/checkpoint_000030") is None
+    assert isinstance(wrapped, pafs.PyFileSystem)

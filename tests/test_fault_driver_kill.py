@@ -22,7 +22,7 @@ from service import spec
 from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS
 from service.trial import TrialPlan
-from tests.conftest import session_pids, study_dict
+from tests.conftest import end_session, study_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 STEPS, EVERY = 3000, 500  # long enough (seconds, on the fast path) to kill the last trial mid-run
@@ -109,19 +109,6 @@ def playbook_run(study_file, cwd) -> subprocess.Popen:
         text=True,
         start_new_session=True,  # the embedded Ray it starts lives in this session, ended below
     )
-
-
-def end_session(proc: subprocess.Popen) -> None:
-    """Wait for the processes of the killed driver's session (its embedded Ray) to go; kill
-    what is left of them, by pid (all of them were started by this test)."""
-    deadline = time.time() + 60
-    while session_pids(proc.pid) and time.time() < deadline:
-        time.sleep(0.5)
-    for pid in session_pids(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(scope="module")

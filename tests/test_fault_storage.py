@@ -1,11 +1,13 @@
 """Storage faults: transient write errors are retried with backoff and then succeed; errors that
 persist, and permission errors (not retried), end in one StorageError line and leave the
-previous content intact. The filesystem is a real fsspec memory filesystem that fails on purpose."""
+previous content intact. The filesystem is a real fsspec memory filesystem that fails on purpose
+(raising what gcsfs raises too), and a real gcp-storage-emulator that goes away mid-write."""
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 
 import fsspec
@@ -107,3 +109,79 @@ def test_permission_denied_storage_is_one_clear_line(tmp_path):
         storage.write_bytes_atomic(uri, b"x")
     assert str(e.value).startswith(f"{uri}: cannot write (") and "\n" not in str(e.value)
     assert not os.path.exists(f"{base}/study")
+
+
+def gcsfs_errors():
+    from gcsfs.retry import HttpError
+
+    forbidden = OSError("Forbidden: playbook-test/study/study.yaml\nanon caller has no access")
+    unavailable = HttpError({"code": 503, "message": "backend unavailable"})
+    bad_request = HttpError({"code": 400, "message": "bad object name"})
+    return forbidden, unavailable, bad_request
+
+
+def test_gcsfs_forbidden_is_permanent_and_one_line(flaky):
+    forbidden, _, _ = gcsfs_errors()
+    uri = "flaky://bucket/study/study.yaml"
+    flaky.fail_writes, flaky.error = 100, forbidden
+    with pytest.raises(StorageError) as e:
+        storage.write_bytes_atomic(uri, b"x")
+    assert len(flaky.write_attempts) == 1  # a 403 is not retried
+    assert "\n" not in str(e.value) and "Forbidden" in str(e.value) and "no access" in str(e.value)
+
+
+def test_gcsfs_http_errors_are_storage_errors_retried_when_transient(flaky):
+    _, unavailable, bad_request = gcsfs_errors()
+    uri = "flaky://bucket/study/trials.csv"
+    flaky.fail_writes, flaky.error = 2, unavailable  # a 503 twice, then it works
+    storage.write_bytes_atomic(uri, b"rows")
+    assert storage.read_bytes(uri) == b"rows" and len(flaky.write_attempts) == 3
+
+    flaky.write_attempts.clear()
+    flaky.fail_writes, flaky.error = 100, bad_request  # not an OSError, and not transient
+    with pytest.raises(StorageError, match="bad object name"):
+        storage.write_bytes_atomic(uri, b"new rows")
+    assert len(flaky.write_attempts) == 1
+    flaky.fail_writes = 0
+    assert storage.read_bytes(uri) == b"rows"
+
+
+def test_a_write_while_the_gcs_emulator_is_down_completes_when_it_is_back(tmp_path, monkeypatch):
+    """The emulator process ends (connections refused) and a new one comes up on the same port
+    3 s later; a write issued in between is retried until it lands, whole."""
+    try:
+        from _gcs import start_emulator, stop_emulator
+    except ImportError:
+        from tests._gcs import start_emulator, stop_emulator
+
+    log = str(tmp_path / "emulator.log")
+    proc, endpoint = start_emulator(log, default_bucket="flaky-bucket")
+    port = int(endpoint.rsplit(":", 1)[1])
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    uri = "gs://flaky-bucket/study/trials.csv"
+    data = os.urandom(300_000)
+    storage.write_bytes_atomic(uri, b"before")
+    stop_emulator(proc)
+
+    outcome = {}
+
+    def write():
+        t = time.monotonic()
+        try:
+            storage.write_bytes_atomic(uri, data)
+            outcome["s"] = time.monotonic() - t
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    time.sleep(3)
+    proc, _ = start_emulator(log, default_bucket="flaky-bucket", port=port)
+    try:
+        writer.join(timeout=120)
+        assert not writer.is_alive() and "error" not in outcome, outcome
+        assert outcome["s"] >= 3  # it waited for storage, it did not give up
+        assert storage.read_bytes(uri) == data
+    finally:
+        stop_emulator(proc)
