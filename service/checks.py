@@ -101,9 +101,25 @@ def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:
         raise DataError(f"{uri}: not readable as workload {workload.name} input ({message})") from None
 
 
+def autoscaler_nodes(cluster_config, study: Study) -> list[dict]:
+    """The nodes an autoscaling cluster can grow to, from the node groups its autoscaler
+    reported (Ray's `ClusterConfig`: resources per node, max_count), in `ray.nodes()` form. A
+    KubeRay cluster starts its GPU group at 0 replicas: judged by the nodes alive now, every GPU
+    study would be refused. Ray Train checks its worker group against the same config."""
+    if cluster_config is None:
+        return []
+    enough = study.scaling.world_size + 1  # more nodes of a group than this change nothing
+    nodes = []
+    for group in cluster_config.node_group_configs:
+        count = enough if group.max_count < 0 else min(group.max_count, enough)
+        nodes += [{"Alive": True, "Resources": dict(group.resources)}] * count
+    return nodes
+
+
 def check_resources(study: Study, nodes: list[dict]) -> None:
-    """The connected cluster (`ray.nodes()`) can place one trial; refused before any trial
-    starts, naming the scaling field that asks too much."""
+    """The cluster can place one trial: `nodes` in `ray.nodes()` form (those alive now, or those
+    an autoscaler can start, see `autoscaler_nodes`); refused before any trial starts, naming
+    the scaling field that asks too much."""
     s = study.scaling
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
     gpus = sum(r.get("GPU", 0) for r in alive)

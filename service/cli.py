@@ -125,10 +125,12 @@ def connect_ray() -> None:
 def check_cluster(study: spec.Study) -> None:
     """The connected Ray cluster can hold one trial of the study (refused before it starts)."""
     import ray
+    from ray._private.state import state
 
-    from service.checks import check_resources
+    from service.checks import autoscaler_nodes, check_resources
 
-    check_resources(study, ray.nodes())
+    # An autoscaling cluster is judged by what it can grow to, a fixed one by what it has.
+    check_resources(study, autoscaler_nodes(state.get_cluster_config(), study) or ray.nodes())
 
 
 def cmd_run(args) -> int:
