@@ -124,3 +124,64 @@ def test_preprocess_missing_column_is_named(tmp_path):
 
     with pytest.raises(DataError, match=r"raw-0\.parquet: workload digits cannot preprocess it .*pixels"):
         preprocess(Digits(), str(tmp_path / "raw"), str(tmp_path / "out"))
+
+
+def test_a_failure_half_way_leaves_no_shard_and_no_record(tmp_path):
+    """Shards are streamed out while the input is read: a bad last file must not leave the
+    shards written so far (nor a provenance record) behind."""
+    from service.data.preprocess import preprocess
+    from service.errors import DataError
+
+    write_raw(tmp_path / "raw", rows_per_file=3000)
+    bad = pq.read_table(tmp_path / "raw" / "raw-2.parquet").drop_columns(["raw"])
+    pq.write_table(bad, tmp_path / "raw" / "raw-2.parquet")
+    with pytest.raises(DataError, match=r"raw-2\.parquet: workload raw_digits cannot preprocess it"):
+        preprocess(_input_workloads.RawDigits(), str(tmp_path / "raw"), str(tmp_path / "out"), 4, 100)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
+PREPROCESS_PEAK = """
+import json, sys, tracemalloc
+sys.path.insert(0, "tests")
+import pyarrow as pa
+from service.data.preprocess import preprocess
+from service.workloads import get
+tracemalloc.start()
+preprocess(get(sys.argv[1]), sys.argv[2], sys.argv[3], num_files=4, row_group_size=1000)
+python_peak = tracemalloc.get_traced_memory()[1]
+print(json.dumps({"peak": python_peak + pa.default_memory_pool().max_memory()}))
+"""
+
+
+def test_preprocess_memory_does_not_grow_with_the_output(tmp_path):
+    """Shards stream to storage as they grow: preprocessing 10x the rows raises the peak of
+    Python's and Arrow's allocations by a small fraction of the extra bytes written."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    growth, written = {}, {}
+    for name, rows_per_file in {"small": 6_000, "large": 60_000}.items():
+        write_raw(tmp_path / name, num_files=3, rows_per_file=rows_per_file)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                PREPROCESS_PEAK,
+                WORKLOAD,
+                str(tmp_path / name),
+                str(tmp_path / f"{name}-out"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=root,
+        )
+        growth[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+        outputs = list_files(str(tmp_path / f"{name}-out"))
+        assert sum(f.num_rows for f in outputs) == 3 * rows_per_file
+        written[name] = sum(os.path.getsize(f.uri) for f in outputs)
+    more_output = written["large"] - written["small"]  # bytes of parquet the 10x run wrote more
+    print("preprocess peak allocations", growth, "more output bytes", more_output)
+    assert growth["large"] - growth["small"] < more_output / 5

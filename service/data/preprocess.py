@@ -5,8 +5,9 @@ Raw parquet files are streamed one row group at a time through `Workload.preproc
 (vectorised, raw columns -> exactly the declared columns). Each row goes to one of
 `num_files` output shards, drawn with `seed`, so every shard mixes rows from all of the input
 (the loader shuffles row groups and rows within a window, so mixed shards matter when the raw
-data is sorted). Shards are written in row groups of `row_group_size` rows; memory stays at
-one input row group plus one pending row group per shard. Pick `num_files` as a multiple of
+data is sorted). Shards are written in row groups of `row_group_size` rows and streamed to
+storage; memory stays at one input row group plus one pending row group (and the storage
+client's upload buffer) per shard. Pick `num_files` as a multiple of
 the largest host count you will shard over (files are the unit of host sharding).
 
 A provenance record `_provenance.json` is written beside the shards (source files and their
@@ -17,13 +18,13 @@ copies it into the study as `data_provenance.json` and prints it.
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from service import storage
 from service.data.files import list_files
@@ -37,18 +38,33 @@ def code_version() -> str | None:
     """The git commit of the service's source tree (None outside a checkout)."""
     from service.provenance import _git
 
-    return (_git(os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD") or "").strip() or None
+    return (
+        _git(os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD") or b""
+    ).decode().strip() or None
 
 
 class ShardWriter:
-    """Parquet shards under `dest`, each written in row groups of `row_group_size` rows."""
+    """Parquet shards under `dest`, each written in row groups of `row_group_size` rows and
+    streamed to storage as it grows (a shard never sits whole in memory). A local shard is
+    written under a temporary name and renamed when it is complete; an object-store upload
+    (gcsfs: a resumable upload) becomes visible only when its file is closed."""
 
     def __init__(self, dest: str, num_files: int, row_group_size: int):
         self.dest, self.row_group_size = dest, row_group_size
         self.pending: list[list[pa.Table]] = [[] for _ in range(num_files)]
-        self.buffers = [io.BytesIO() for _ in range(num_files)]
+        self.files: list = [None] * num_files
         self.writers: list[pq.ParquetWriter | None] = [None] * num_files
         self.rows = [0] * num_files
+        self.fs, self.path = storage.split(dest)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.fs.makedirs(self.path, exist_ok=True)
+
+    def uri(self, shard: int) -> str:
+        return storage.join(self.dest, f"part-{shard:05d}.parquet")
+
+    def _target(self, shard: int) -> str:
+        final = f"{self.path}/part-{shard:05d}.parquet"
+        return f"{final}.partial" if self.local else final
 
     def add(self, shard: int, table: pa.Table) -> None:
         self.pending[shard].append(table)
@@ -61,23 +77,34 @@ class ShardWriter:
         table = pa.concat_tables(self.pending[shard])
         keep = table.num_rows if final else table.num_rows - table.num_rows % self.row_group_size
         if self.writers[shard] is None:
-            self.writers[shard] = pq.ParquetWriter(self.buffers[shard], table.schema)
+            self.files[shard] = self.fs.open(self._target(shard), "wb")
+            self.writers[shard] = pq.ParquetWriter(self.files[shard], table.schema)
         self.writers[shard].write_table(table.slice(0, keep), row_group_size=self.row_group_size)
         self.rows[shard] += keep
         self.pending[shard] = [table.slice(keep)] if keep < table.num_rows else []
 
     def close(self) -> list[dict]:
-        """Write every non-empty shard; returns [{uri, num_rows}]."""
+        """Finish every non-empty shard; returns [{uri, num_rows}]."""
         out = []
         for shard in range(len(self.writers)):
             self._flush(shard, final=True)
             if self.writers[shard] is None:
                 continue
             self.writers[shard].close()
-            uri = storage.join(self.dest, f"part-{shard:05d}.parquet")
-            storage.write_bytes_atomic(uri, self.buffers[shard].getvalue())
-            out.append({"uri": uri, "num_rows": self.rows[shard]})
+            self.files[shard].close()
+            if self.local:
+                os.replace(self._target(shard), self._target(shard).removesuffix(".partial"))
+            out.append({"uri": self.uri(shard), "num_rows": self.rows[shard]})
         return out
+
+    def abort(self) -> None:
+        """After a failure: local partial shards are removed (an object upload not closed
+        never appears)."""
+        for shard, f in enumerate(self.files):
+            if f is not None and self.local:
+                f.close()
+                if os.path.exists(self._target(shard)):
+                    os.remove(self._target(shard))
 
 
 def preprocess(
@@ -95,28 +122,12 @@ def preprocess(
     inputs = list_files(source)
     writer = ShardWriter(dest, num_files, row_group_size)
     rng = np.random.default_rng(seed)
-    for f in inputs:
-        fs, path = storage.split(f.uri)
-        with fs.open(path, "rb") as handle:
-            pf = pq.ParquetFile(handle)
-            for g in range(pf.num_row_groups):
-                try:
-                    raw = pf.read_row_group(g)
-                except (OSError, pa.ArrowException) as e:
-                    raise DataError(f"{f.uri}: cannot read row group {g} ({e})") from None
-                try:
-                    table = workload.preprocess(raw)
-                except (KeyError, pa.ArrowException, ValueError, TypeError) as e:
-                    raise DataError(f"{f.uri}: workload {workload.name} cannot preprocess it ({e})") from None
-                missing = [c for c in workload.columns if c not in table.column_names]
-                if missing:
-                    raise DataError(
-                        f"{f.uri}: workload {workload.name}'s preprocess gave no column {missing[0]!r}"
-                    )
-                table = table.select(list(workload.columns))
-                shard_of = rng.integers(num_files, size=table.num_rows)
-                for shard in np.unique(shard_of):
-                    writer.add(int(shard), table.filter(pa.array(shard_of == shard)))
+    try:
+        for f in inputs:
+            _preprocess_file(workload, f, writer, rng)
+    except BaseException:
+        writer.abort()
+        raise
     outputs = writer.close()
     record = {
         "source": source,
@@ -133,6 +144,31 @@ def preprocess(
     }
     storage.write_json(storage.join(dest, PROVENANCE_FILE), record)
     return record
+
+
+def _preprocess_file(workload: Workload, f, writer: ShardWriter, rng: np.random.Generator) -> None:
+    """One raw file, a row group at a time, into the shards (each row to a random shard)."""
+    fs, path = storage.split(f.uri)
+    with fs.open(path, "rb") as handle:
+        pf = pq.ParquetFile(handle)
+        for g in range(pf.num_row_groups):
+            try:
+                raw = pf.read_row_group(g)
+            except (OSError, pa.ArrowException) as e:
+                raise DataError(f"{f.uri}: cannot read row group {g} ({e})") from None
+            try:
+                table = workload.preprocess(raw)
+            except (KeyError, pa.ArrowException, ValueError, TypeError) as e:
+                raise DataError(f"{f.uri}: workload {workload.name} cannot preprocess it ({e})") from None
+            missing = [c for c in workload.columns if c not in table.column_names]
+            if missing:
+                raise DataError(
+                    f"{f.uri}: workload {workload.name}'s preprocess gave no column {missing[0]!r}"
+                )
+            table = table.select(list(workload.columns))
+            shard_of = rng.integers(len(writer.rows), size=table.num_rows)
+            for shard in np.unique(shard_of):
+                writer.add(int(shard), table.filter(pa.array(shard_of == shard)))
 
 
 def data_provenance(uri: str) -> dict | None:
