@@ -101,10 +101,12 @@ class ShardWriter:
         """After a failure: local partial shards are removed (an object upload not closed
         never appears)."""
         for shard, f in enumerate(self.files):
-            if f is not None and self.local:
+            if f is None:
+                continue
+            self.writers[shard].close()  # else its finalizer writes into a closed file
+            if self.local:
                 f.close()
-                if os.path.exists(self._target(shard)):
-                    os.remove(self._target(shard))
+                os.remove(self._target(shard))
 
 
 def preprocess(
