@@ -76,12 +76,18 @@ class MlflowMirror:
                     "git_dirty": str(bool(prov.get("git_dirty"))).lower(),
                 }
             )
-        experiment = self.client.get_experiment_by_name(study.name)
-        self.experiment_id = (
-            experiment.experiment_id if experiment else self.client.create_experiment(study.name)
-        )
+        self._experiment_id: str | None = None  # looked up at the first trial: MLflow may be down now
         self._runs: dict[str, str] = {}
         self._lock = threading.Lock()
+
+    @property
+    def experiment_id(self) -> str:
+        if self._experiment_id is None:
+            experiment = self.client.get_experiment_by_name(self.study.name)
+            self._experiment_id = (
+                experiment.experiment_id if experiment else self.client.create_experiment(self.study.name)
+            )
+        return self._experiment_id
 
     def _run_id(self, trial: dict) -> str:
         name = trial["trial_name"]
