@@ -122,6 +122,16 @@ def test_likely_cause_from_the_timings(t, remote, cause):
     assert v.facts["exposed_fraction"] == 0.5
 
 
+def test_with_ray_data_input_workers_the_remedy_is_more_input_workers():
+    """Ray Data workers read and preprocess off the rank, so the rank's own read and
+    preprocess times are ~0: without knowing that, the cause would be 'prefetch too shallow'."""
+    t = totals(5, 10, 0.0, 0.0)
+    assert input_bound("t-0", t, 0.2, False, 2).facts["cause"] == "prefetch_too_shallow"
+    v = input_bound("t-0", t, 0.2, False, 2, input_workers="ray_data")
+    assert v.is_warning and v.facts["cause"] == "input_workers"
+    assert "input.num_input_workers" in v.message
+
+
 def test_below_the_threshold_is_ok():
     v = input_bound("t-0", totals(1, 10, 5, 5), 0.2, True, 2)
     assert not v.is_warning and v.facts["exposed_fraction"] == pytest.approx(0.1)

@@ -14,7 +14,8 @@ is input-bound, and the numbers name the likely cause and the remedy:
 * reading dominates -> remote I/O: cache the data on local disk or colocate it with the
   cluster (local storage: faster disk, fewer and larger row groups);
 * preprocessing dominates -> heavy online preprocessing: move it offline with
-  `playbook preprocess`.
+  `playbook preprocess`;
+* with Ray Data input workers (which read and preprocess off the rank) -> more input workers.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ class InputTotals:
 
 
 def input_bound(
-    trial_name: str, totals: InputTotals, threshold: float, remote: bool, prefetch_batches: int
+    trial_name: str,
+    totals: InputTotals,
+    threshold: float,
+    remote: bool,
+    prefetch_batches: int,
+    input_workers: str = "local",
 ) -> Verdict:
     """OK below `threshold`; otherwise a warning naming the likely cause and its remedy."""
     fraction = totals.exposed_fraction
@@ -71,7 +77,7 @@ def input_bound(
     share = f"{fraction:.0%} of its step time waiting for input"
     if fraction <= threshold:
         return _verdict("input_bound", trial_name, OK, f"{trial_name} spends {share}.", cause="none", **facts)
-    cause, remedy = likely_cause(totals, remote, prefetch_batches)
+    cause, remedy = likely_cause(totals, remote, prefetch_batches, input_workers)
     return _verdict(
         "input_bound",
         trial_name,
@@ -82,12 +88,22 @@ def input_bound(
     )
 
 
-def likely_cause(totals: InputTotals, remote: bool, prefetch_batches: int) -> tuple[str, str]:
-    """(cause, sentence with the remedy), the most specific first."""
+def likely_cause(
+    totals: InputTotals, remote: bool, prefetch_batches: int, input_workers: str = "local"
+) -> tuple[str, str]:
+    """(cause, sentence with the remedy), the most specific first. With Ray Data input workers
+    the reads and preprocessing happen in those workers, not on the rank (its read and
+    preprocess times are ~0), so the rank's timings cannot tell them apart."""
     if totals.unused_columns:
         cols = ", ".join(totals.unused_columns)
         return "unused_columns", (
             f"columns the workload declares but never uses are read ({cols}): drop them from its columns."
+        )
+    if input_workers == "ray_data":
+        return "input_workers", (
+            "the Ray Data input workers do not keep up with the steps: raise input.num_input_workers "
+            "(or cpus_per_input_worker), move the workload's preprocessing offline with "
+            "`playbook preprocess`, or keep the data closer to the cluster."
         )
     compute_s = totals.step_s - totals.wait_s
     produce_s = totals.read_s + totals.preprocess_s
@@ -130,6 +146,7 @@ def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study
         study.input.input_bound_threshold,
         is_remote(study.data.train),
         study.input.prefetch_batches,
+        study.input.workers,
     )
     return dict(zip(INPUT_ROW_FIELDS, (totals.exposed_fraction, v.is_warning, v.message), strict=True))
 
