@@ -1,6 +1,6 @@
 """The fast path's checkpoint store: best-N + latest retention (against a plain sort), crashed
-writes never selectable, async saves isolated from later training, errors surfaced, and the
-loop's checkpoints through the store equal to those it hands a Reporter."""
+writes never selectable, async saves isolated from later training (tensors and history), errors
+surfaced, and the loop's checkpoints through the store equal to those it hands a Reporter."""
 
 from __future__ import annotations
 
@@ -68,6 +68,18 @@ def test_async_save_is_isolated_from_later_steps(tmp_path):
     saver.close()
     for (uri, _), want in zip(store.complete(), expected, strict=True):
         assert torch.equal(checkpoint.load(uri).model["w"], want)
+
+
+def test_async_save_is_isolated_from_later_changes_to_the_history(tmp_path):
+    store = CheckpointStore(str(tmp_path), 5, "validation/loss", "min")
+    saver = AsyncCheckpointer(store)
+    history = [{"step": 1, "validation/per_class": [[3, 1], [0, 5]]}]
+    saver.save(TrialState(1, {}, {}, [], history, {}), {"step": 1, "validation/loss": 1.0})
+    history[0]["validation/per_class"][0][0] = 99  # nested values changed in place afterwards
+    history.append({"step": 2})
+    saver.close()
+    [(uri, _)] = store.complete()
+    assert checkpoint.load(uri).history == [{"step": 1, "validation/per_class": [[3, 1], [0, 5]]}]
 
 
 def test_a_failed_background_save_is_raised(tmp_path):

@@ -1,10 +1,14 @@
 """A crash in the middle of writing or copying a checkpoint: the torn directory is refused by the
-loader, never picked to resume from, and the resumed run ends bitwise equal to an uninterrupted one."""
+loader, never picked to resume from, and the resumed run ends bitwise equal to an uninterrupted one;
+a damaged state.pt is refused too, and the manifest's digests are those of the bytes on disk."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -153,3 +157,59 @@ def test_a_torn_latest_checkpoint_on_object_storage_falls_back_to_the_newest_com
     fs.rm("/torn-fallback/trial/checkpoint_000020/" + checkpoint.MANIFEST_FILE)
     assert launch.newest_committed_sibling(wrapped, f"{path}/checkpoint_000030") is None
     assert isinstance(wrapped, pafs.PyFileSystem)
+
+
+def saved_state(directory) -> checkpoint.TrialState:
+    # One tensor above OVERLAP_MIN_BYTES (checksummed on the helper thread), one below.
+    weights = {"w": torch.arange(400_000, dtype=torch.float32), "b": torch.arange(10.0)}
+    assert weights["w"].nbytes > checkpoint.OVERLAP_MIN_BYTES > weights["b"].nbytes
+    state = checkpoint.TrialState(7, weights, {}, [], [{"step": 7}], {})
+    checkpoint.save(state, str(directory), {"step": 7})
+    return state
+
+
+def test_the_manifest_holds_the_size_and_crc32_of_the_bytes_on_disk(tmp_path):
+    state = saved_state(tmp_path)
+    manifest = json.loads((tmp_path / checkpoint.MANIFEST_FILE).read_text())
+    for name in (checkpoint.STATE_FILE, checkpoint.META_FILE):
+        data = (tmp_path / name).read_bytes()
+        assert manifest["files"][name] == {"size": len(data), "crc32": zlib.crc32(data)}, name
+    loaded = checkpoint.load(str(tmp_path))
+    assert all(loaded.model[k].equal(v) for k, v in state.model.items())
+    # torch.save's own zip CRCs are switched off for the checkpoint only, not for the caller.
+    assert torch.serialization.get_crc32_options()
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated", "appended"])
+def test_a_damaged_state_file_is_refused(tmp_path, damage):
+    saved_state(tmp_path)
+    path = tmp_path / checkpoint.STATE_FILE
+    data = bytearray(path.read_bytes())
+    if damage == "flipped-byte":
+        data[len(data) // 2] ^= 0x01  # inside the tensor's bytes: torch.load alone would not notice
+    elif damage == "truncated":
+        data = data[:-1]
+    else:
+        data += b"\0"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="state.pt does not match manifest.json"):
+        checkpoint.load(str(tmp_path))
+    assert checkpoint.latest_complete([str(tmp_path)]) is None
+
+
+def test_a_format_1_manifest_with_sha256_digests_is_still_read(tmp_path):
+    """Checkpoints written before the manifest switched to CRC-32 still resume."""
+    state = saved_state(tmp_path)
+    files = {}
+    for name in (checkpoint.STATE_FILE, checkpoint.META_FILE):
+        data = (tmp_path / name).read_bytes()
+        files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / checkpoint.MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}))
+    assert checkpoint.load(str(tmp_path)).model["w"].equal(state.model["w"])
+    files[checkpoint.STATE_FILE]["sha256"] = hashlib.sha256(b"another state").hexdigest()
+    (tmp_path / checkpoint.MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}))
+    with pytest.raises(CheckpointError, match="state.pt does not match manifest.json"):
+        checkpoint.load(str(tmp_path))
+    (tmp_path / checkpoint.MANIFEST_FILE).write_text(json.dumps({"format": 99, "files": files}))
+    with pytest.raises(CheckpointError, match="no valid manifest.json"):
+        checkpoint.load(str(tmp_path))

@@ -1,10 +1,15 @@
 """Trial state on disk: model, optimizer, step (= schedule and data position), RNG states of
 every rank, and the metrics history. Loaded with `weights_only=True` (no pickled code).
 
-A checkpoint is committed by its manifest, written last: the size and sha256 of every other
+A checkpoint is committed by its manifest, written last: the size and CRC-32 of every other
 file. A directory without a manifest, or whose files do not match it (a crash between two
 writes, or a copy to storage cut off half way, in whatever order the copy went), is not a
 checkpoint: `load` refuses it and `latest_complete` skips it.
+
+The digest guards against accidents (torn copies, mixed-up or damaged files), not tampering, so
+it is CRC-32: it is computed while state.pt is written, in place of the per-record CRC-32s that
+torch.save would put into its zip (torch.load never checks those), so a save costs about what a
+bare torch.save does. Manifests of format 1 (sha256) are still read.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import io
 import json
 import os
 import tempfile
+import zlib
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.serialization import config as serialization_config
 
 from service.errors import CheckpointError
 
@@ -25,6 +33,9 @@ STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
+"""Format of the state.pt payload."""
+MANIFEST_FORMAT = 2
+"""Format of manifest.json: 1 = size + sha256 of each file, 2 = size + crc32."""
 
 
 @dataclass
@@ -47,30 +58,82 @@ def _write_atomic(directory: str, name: str, data: bytes) -> None:
     os.replace(tmp, os.path.join(directory, name))
 
 
-def _entry(data: bytes) -> dict:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def _entry(data: bytes, manifest_format: int = MANIFEST_FORMAT) -> dict:
+    if manifest_format == 1:
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size": len(data), "crc32": zlib.crc32(data)}
+
+
+OVERLAP_MIN_BYTES = 1 << 20
+"""Writes at least this large have their CRC-32 computed on a helper thread meanwhile."""
+
+
+class _ChecksummedWriter:
+    """A binary file that keeps the size and CRC-32 of the bytes written through it: the
+    manifest entry of state.pt comes from the write itself, not from reading the file back.
+    A large chunk (a tensor's bytes) is checksummed on `helper` while this thread writes it:
+    zlib and file writes both release the GIL, so with a free core the CRC costs no time."""
+
+    def __init__(self, file, helper: Executor):
+        self.file, self.helper, self.size, self.crc32 = file, helper, 0, 0
+
+    def write(self, data) -> int:
+        if len(data) < OVERLAP_MIN_BYTES:  # headers and pickles: not worth a hand-off
+            self.crc32 = zlib.crc32(data, self.crc32)
+            written = self.file.write(data)
+        else:  # `data` stays valid until we return: wait for the CRC before that
+            crc32 = self.helper.submit(zlib.crc32, data, self.crc32)
+            written = self.file.write(data)
+            self.crc32 = crc32.result()
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def entry(self) -> dict:
+        return {"size": self.size, "crc32": self.crc32}
+
+
+def _save_state(state: TrialState, directory: str) -> dict:
+    """Write state.pt atomically; returns its manifest entry."""
+    payload = {"format": FORMAT_VERSION, **state.__dict__}
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".partial")
+    # The zip's own CRC-32s would be a second checksum pass that nothing reads (the setting is
+    # thread-local, so other threads' torch.save calls keep theirs).
+    with (
+        os.fdopen(fd, "wb") as f,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt-crc") as helper,
+        serialization_config.patch({"save.compute_crc32": False}),
+    ):
+        writer = _ChecksummedWriter(f, helper)
+        torch.save(payload, writer)
+    os.replace(tmp, os.path.join(directory, STATE_FILE))
+    return writer.entry()
 
 
 def save(state: TrialState, directory: str, metrics: dict) -> None:
     """Write the state into `directory`: state.pt, meta.json, then the manifest that commits them."""
     os.makedirs(directory, exist_ok=True)
-    payload = {"format": FORMAT_VERSION, **state.__dict__}
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".partial")
-    os.close(fd)
-    torch.save(payload, tmp)
-    os.replace(tmp, os.path.join(directory, STATE_FILE))
-    _write_atomic(directory, META_FILE, json.dumps({"step": state.step, "metrics": metrics}).encode())
-    write_manifest(directory)
+    files = {STATE_FILE: _save_state(state, directory)}
+    meta = json.dumps({"step": state.step, "metrics": metrics}).encode()
+    _write_atomic(directory, META_FILE, meta)
+    files[META_FILE] = _entry(meta)
+    _commit(directory, files)
 
 
 def write_manifest(directory: str) -> None:
-    """Commit the files now in `directory` (the last write of a checkpoint)."""
+    """Commit the files now in `directory` (for files written by other means than `save`)."""
     files = {}
     for name in sorted(os.listdir(directory)):
         if name != MANIFEST_FILE and not name.endswith(".partial"):
             with open(os.path.join(directory, name), "rb") as f:
                 files[name] = _entry(f.read())
-    manifest = {"format": FORMAT_VERSION, "files": files}
+    _commit(directory, files)
+
+
+def _commit(directory: str, files: dict[str, dict]) -> None:
+    manifest = {"format": MANIFEST_FORMAT, "files": files}
     _write_atomic(directory, MANIFEST_FILE, json.dumps(manifest, sort_keys=True).encode())
 
 
@@ -79,7 +142,9 @@ def verify(where: str, read: Callable[[str], bytes]) -> dict[str, bytes]:
     CheckpointError when the manifest is missing or a file is missing or differs from it."""
     try:
         manifest = json.loads(read(MANIFEST_FILE))
-        listed = manifest["files"]
+        listed, manifest_format = manifest["files"], manifest["format"]
+        if manifest_format not in (1, MANIFEST_FORMAT):
+            raise ValueError(manifest_format)
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{where}: incomplete checkpoint (no valid {MANIFEST_FILE})") from None
     if STATE_FILE not in listed:
@@ -90,7 +155,7 @@ def verify(where: str, read: Callable[[str], bytes]) -> dict[str, bytes]:
             data = read(name)
         except OSError:
             raise CheckpointError(f"{where}: incomplete checkpoint ({name} is missing)") from None
-        if _entry(data) != want:
+        if _entry(data, manifest_format) != want:
             raise CheckpointError(f"{where}: incomplete checkpoint ({name} does not match {MANIFEST_FILE})")
         contents[name] = data
     return contents
