@@ -28,6 +28,11 @@ GOALS = {
     "async_checkpoint_stall_ratio": ("<", 0.1, "loop stall with async save / a sync save"),
     "loader_peak_rss_ratio": ("<=", 1.2, "loader peak RSS on a 10x dataset / on the base one"),
     "demo_wall_s": ("<", 300.0, "`make demo` wall time in seconds (setup excluded)"),
+    "scale": (
+        "<=",
+        1.25,
+        "largest log-log growth slope of the service's costs in trials / files (1 = linear)",
+    ),
 }
 
 

@@ -1,6 +1,6 @@
 """`make bench`: every benchmark in turn, results to bench/results.json, then the tables.
 
-python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo)
+python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale)
 With --only, the other figures are kept from the existing results.json.
 """
 
@@ -23,6 +23,7 @@ SUITES = {
     "checkpoints": "bench.checkpoints",
     "trial": "bench.trial_overhead",
     "demo": "bench.demo",
+    "scale": "bench.scale",
 }
 
 

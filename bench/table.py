@@ -44,6 +44,8 @@ def markdown(results: dict) -> str:
             raw = f"{_num(f['raw'][a])} / {_num(f['raw'][b])} {unit}"
         met = "yes" if f["pass"] else "**no**"
         lines.append(f"| `{key}` | {_num(f['value'])} | {f['goal']} | {met} | {raw} | {f['what']} |")
+    if "scale" in figures:
+        lines += ["", *scale_lines(figures["scale"]["raw"])]
     m = results.get("machine", {})
     lines.append("")
     lines.append(
@@ -51,6 +53,31 @@ def markdown(results: dict) -> str:
         f"{_num(m.get('load_avg_1m', '?'))}), medians over repeats; `make bench` regenerates it."
     )
     return "\n".join(lines) + "\n"
+
+
+def scale_lines(raw: dict) -> list[str]:
+    """The growth curves of `bench/scale.py`: cost at the largest size, log-log slope there."""
+    book, mem = raw["bookkeeping"], raw["memory"]
+    shard = raw["sharding"]["by_files"]["1024_hosts"]
+    curves = [
+        ("planning: quasi-random round", raw["planning_trials"], "trials", "s"),
+        ("planning: one rank's shard, 1,024 hosts", shard, "files", "s"),
+        *[(f"bookkeeping: {k.replace('_', ' ')}", v, "trials", "s") for k, v in book.items()],
+        ("memory held", mem["by_trials"], "trials", "bytes"),
+        ("memory held vs reports per trial", mem["by_reports_per_trial"], "reports", "bytes"),
+    ]
+    lines = [
+        "Growth (`scale`, log-log slope between the two largest sizes: ~0 O(1), ~1 O(n)):",
+        "",
+        "| curve | largest size | cost there | per item | slope there | growth |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c, what, unit in curves:
+        lines.append(
+            f"| {name} | {c['sizes'][-1]:,} {what} | {_num(c[unit][-1])} {unit} | "
+            f"{_num(c[f'{unit}_per_item_at_top'])} {unit} | {c['top_slope']} | {c['growth']} |"
+        )
+    return lines
 
 
 def main() -> None:

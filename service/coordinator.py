@@ -49,13 +49,9 @@ class ProgressCallback(tune.Callback):
     def _observers(self) -> observe.StudyObservers | None:
         return observe.registered(self.study_name)
 
-    def _rows_changed(self) -> None:
-        if self._observers():
-            self._observers().rows_changed(self._table().snapshot())
-
     def on_trial_start(self, iteration, trials, trial, **info):
         self._table().update(trial.config["trial"]["trial_name"], status="RUNNING")
-        self._rows_changed()
+        self._table().save_soon()  # and the study's index row (the table's on_save)
         if self._observers() and self._observers().mirror:
             self._observers().mirror.trial_started(trial.config["trial"])
 
@@ -98,15 +94,13 @@ class ProgressCallback(tune.Callback):
             print(progress_line(name, result, total, self.metric), flush=True)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        self._table().save()
-        self._rows_changed()
+        self._table().save_soon()
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = str(trial.error_file or "failed")
         name = trial.config["trial"]["trial_name"]
         row = self._table().update(name, status="FAILED", error=error)
-        self._table().save()
-        self._rows_changed()
+        self._table().save_soon()
         if self._observers():
             self._observers().metrics.on_trial_done(name)
             if self._observers().mirror:
@@ -122,10 +116,12 @@ def _fmt(v) -> str:
 class Coordinator:
     def __init__(self, study: Study):
         self.study = study
-        self.table = TrialTable(study.study_uri, study.training.metric, study.training.mode)
+        self.observers = observe.StudyObservers.for_study(study)
+        self.table = TrialTable(
+            study.study_uri, study.training.metric, study.training.mode, on_save=self.observers.rows_changed
+        )
         self.table.load_existing()
         tracking.register(study.name, self.table)
-        self.observers = observe.StudyObservers.for_study(study)
         self.observers.limiter = ProgressLimiter(study.tracking.progress_interval_s)
         observe.register(self.observers)
         self.observers.metrics.start_republishing()
@@ -143,7 +139,7 @@ class Coordinator:
             try:
                 self._run_round(rnd)
             except BaseException:
-                self.observers.rows_changed(self.table.snapshot(), state="stopped")
+                self._write_rows(state="stopped")
                 raise
             summary = round_verdicts(self.study, rnd.name, self.table.snapshot())
             summaries.append(summary)
@@ -151,9 +147,14 @@ class Coordinator:
             for line in log_lines(summary):
                 print(line, flush=True)
         self.state = "finished"
-        self.table.save()
-        self.observers.rows_changed(self.table.snapshot(), state="finished")
+        self._write_rows(state="finished")
         return self.table.snapshot()
+
+    def _write_rows(self, state: str) -> None:
+        """The trial table now (a coalesced write still waiting is done here, not after this),
+        then the study's index row with its final state."""
+        self.table.save()
+        self.observers.rows_changed(self.table.snapshot(), state=state)
 
     def _run_round(self, rnd: Round) -> None:
         configs = plan_round(self.study, rnd, self.table.snapshot())

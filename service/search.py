@@ -8,6 +8,7 @@ prefix of the sequence is itself a good design, so adding trials later keeps the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -70,17 +71,26 @@ def scrambled_halton(num_points: int, num_dims: int, seed: int) -> np.ndarray:
 
 def to_value(u: float, hp: HParam) -> Scalar:
     """Map a unit-interval coordinate onto one searched dimension."""
+    return value_map(hp)(u)
+
+
+def value_map(hp: HParam) -> Callable[[float], Scalar]:
+    """`to_value` for one dimension as a function of the coordinate alone: the bounds'
+    logarithms are taken once per dimension, not once per point (the same arithmetic, so the
+    same values; 100,000 points are then mapped in a fraction of a second)."""
     if hp.type == "choice":
-        return hp.values[min(int(u * len(hp.values)), len(hp.values) - 1)]
+        values, last = hp.values, len(hp.values) - 1
+        return lambda u: values[min(int(u * len(values)), last)]
     lo, hi = float(hp.min), float(hp.max)
     if hp.type == "int":
         if hp.scale == "log":  # log-uniform over the integer bins [k, k + 1)
-            x = math.exp(math.log(lo) + u * (math.log(hi + 1) - math.log(lo)))
-            return int(min(math.floor(x), hi))
-        return int(min(math.floor(lo + u * (hi - lo + 1)), hi))
+            log_lo, log_span = math.log(lo), math.log(hi + 1) - math.log(lo)
+            return lambda u: int(min(math.floor(math.exp(log_lo + u * log_span)), hi))
+        return lambda u: int(min(math.floor(lo + u * (hi - lo + 1)), hi))
     if hp.scale == "log":
-        return math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
-    return lo + u * (hi - lo)
+        log_lo, log_span = math.log(lo), math.log(hi) - math.log(lo)
+        return lambda u: math.exp(log_lo + u * log_span)
+    return lambda u: lo + u * (hi - lo)
 
 
 def quasi_random_configs(space: dict[str, HParam], num_trials: int, seed: int) -> list[dict]:
@@ -89,8 +99,8 @@ def quasi_random_configs(space: dict[str, HParam], num_trials: int, seed: int) -
     searched = [(k, v) for k, v in space.items() if v.searched]
     points = scrambled_halton(num_trials, len(searched), seed)
     fixed = {k: v.value for k, v in space.items() if not v.searched}
-    configs = []
-    for row in points:
-        config = {k: to_value(float(u), hp) for u, (k, hp) in zip(row, searched, strict=True)}
-        configs.append({**config, **fixed})
-    return configs
+    names = [k for k, _ in searched]
+    # One dimension at a time (a list comprehension over a column), then the rows.
+    columns = [list(map(value_map(hp), points[:, d].tolist())) for d, (_, hp) in enumerate(searched)]
+    rows = zip(*columns, strict=True) if columns else [()] * num_trials
+    return [{**dict(zip(names, row, strict=True)), **fixed} for row in rows]

@@ -1,5 +1,6 @@
 """The study's trial table: one row per trial, kept current while the study runs and written
-to `<study>/trials.parquet` and `<study>/trials.csv` whenever a trial changes state."""
+to `<study>/trials.parquet` and `<study>/trials.csv` when a trial changes state (coalesced, see
+`service.coalesce`: a rewrite costs O(rows), so one per event would cost O(trials^2) a study)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import io
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from service import storage
+from service.coalesce import Coalesced
 
 STATUSES = ("PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED")
 COLUMNS = (
@@ -31,10 +34,21 @@ COLUMNS = (
 
 
 class TrialTable:
-    def __init__(self, study_uri: str, metric: str, mode: str):
+    def __init__(
+        self,
+        study_uri: str,
+        metric: str,
+        mode: str,
+        on_save: Callable[[list[dict]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.study_uri, self.metric, self.mode = study_uri, metric, mode
+        self.on_save = on_save
+        """Called with the rows after each write (the coordinator refreshes its study's index
+        row and metrics there, at the same coalesced rate)."""
         self.rows: dict[str, dict] = {}
         self._lock = threading.Lock()
+        self.writes = Coalesced(self._write, clock=clock)
 
     @property
     def parquet_uri(self) -> str:
@@ -66,6 +80,14 @@ class TrialTable:
         return min(done, key=lambda r: sign * r["best_metric"], default=None)
 
     def save(self) -> None:
+        """Write the table now."""
+        self.writes.flush()
+
+    def save_soon(self) -> None:
+        """A trial changed state: write the table now, or coalesced with the next changes."""
+        self.writes.request()
+
+    def _write(self) -> None:
         rows = self.snapshot()
         if not rows:
             return
@@ -77,6 +99,8 @@ class TrialTable:
         csv = io.BytesIO()
         pacsv.write_csv(table, csv)
         storage.write_bytes_atomic(storage.join(self.study_uri, "trials.csv"), csv.getvalue())
+        if self.on_save:
+            self.on_save(rows)
 
 
 def read_rows(study_uri: str) -> list[dict]:

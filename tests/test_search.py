@@ -183,3 +183,12 @@ def test_to_value_stays_in_bounds_at_the_ends_of_the_unit_interval(u):
     lr = to_value(u, HParam(role="nuisance", type="float", min=1e-3, max=10.0, scale="log"))
     assert 1e-3 * (1 - 1e-12) <= lr <= 10.0 * (1 + 1e-12)
     assert lr == pytest.approx(10.0 if hi_end else 1e-3, rel=1e-9)
+
+
+def test_configs_are_each_points_coordinates_mapped_one_by_one(configs):
+    # The configs map whole columns at once; the same points through to_value, one at a time.
+    searched = [k for k, hp in SPACE.items() if hp.searched]
+    points = scrambled_halton(N, len(searched), seed=7)
+    for config, point in zip(configs, points, strict=True):
+        for name, u in zip(searched, point, strict=True):
+            assert config[name] == to_value(float(u), SPACE[name])
