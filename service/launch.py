@@ -120,8 +120,13 @@ def train_worker(config: dict) -> None:
 
 
 def batch_source(study: Study) -> loop.BatchSource | None:
-    """Ray Data input workers when the study asks for them (else the loop's own prefetch)."""
+    """Input worker processes or Ray Data input workers when the study asks for them (else
+    the loop's own prefetch)."""
     inp = study.input
+    if inp.workers == "processes":
+        from service.data.process_input import process_source
+
+        return process_source(inp.num_input_workers)
     if inp.workers != "ray_data":
         return None
     from service.data.ray_input import ray_data_source

@@ -15,8 +15,9 @@ class InputPipeline:
     """How each rank loads its training batches (see `service/data/loader.py`)."""
 
     prefetch_batches: int = 2
-    """Batches a background thread prepares ahead of the step (0: no thread, the step waits
-    for each batch). Raise it when the input-bound verdict says prefetch is too shallow."""
+    """A background thread prepares the next shuffle window's batches once fewer than this
+    many are ready for the step (0: no thread, the step waits for each window). Raise it when
+    the input-bound verdict says prefetch is too shallow."""
     shuffle_window_row_groups: int = 4
     """Row groups whose rows are shuffled together (after shuffling the order of row groups
     every epoch). Larger mixes better and holds more rows in memory per rank."""
@@ -27,12 +28,15 @@ class InputPipeline:
     """Trace this many training steps (after the first) with the torch profiler on rank 0 and
     write `trials/<trial>/profile/rank0.trace.json` (open it in https://ui.perfetto.dev)."""
 
-    workers: Literal["local", "ray_data"] = "local"
-    """Who reads and preprocesses a rank's windows: `local` (its own prefetch thread) or
-    `ray_data` (a pool of Ray Data actors per rank, for CPU-heavy online preprocessing; the same
-    shards, seeds and batches, bit for bit)."""
+    workers: Literal["local", "processes", "ray_data"] = "local"
+    """Who reads and preprocesses a rank's windows: `local` (its own prefetch thread),
+    `processes` (a pool of local worker processes per rank, like DataLoader's `num_workers`:
+    for online preprocessing in Python, which a thread cannot run beside the step) or
+    `ray_data` (a pool of Ray Data actors per rank). All give the same shards, seeds and
+    batches, bit for bit."""
     num_input_workers: int = 2
-    """With `workers: ray_data`: Ray Data actors per training rank."""
+    """With `workers: processes` or `ray_data`: worker processes or Ray Data actors per
+    training rank. Worker processes are not reserved with Ray: leave cores for them."""
     cpus_per_input_worker: float = 1.0
     """With `workers: ray_data`: CPUs reserved by each input actor (besides the trainers')."""
 

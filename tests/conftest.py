@@ -140,6 +140,20 @@ def end_session(proc) -> None:
             pass
 
 
+def same_nested(a, b) -> bool:
+    """Equality of nested dicts/lists/tuples whose leaves may be tensors (checkpointed RNG
+    states, model state dicts)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_nested(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 def digits_logits(state, split_dir) -> tuple:
     """(logits as float64 numpy, labels) of a checkpoint's digits model over a whole split,
     read with pyarrow directly: an evaluation independent of the service's eval path."""

@@ -4,6 +4,7 @@ preprocessing is diagnosed, a fast one is not; the causes from the timings; the 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -100,6 +101,21 @@ def test_slow_preprocessing_is_input_bound_and_a_fast_workload_is_not(digits_dir
     ]
     found = [v for v in round_verdicts(slow.study, "r1", rows)["verdicts"] if v["kind"] == "input_bound"]
     assert [v["subject"] for v in found] == ["r1-0"]
+
+
+def test_steps_per_s_leaves_out_the_wait_for_the_first_batch(digits_dir, tmp_path):
+    """The loader's start-up (opening files, the first window) is not step time: a first
+    batch 2 s late must not drag down the first interval's steps/s (20 steps: at most 10/s)."""
+    start_up_s = 2.0
+
+    def late_start(stream, start_step):
+        time.sleep(start_up_s)  # a generator: runs at the first next(), inside the loop
+        yield from stream.iterate(start_step)
+
+    plan = plan_for(digits_dir, tmp_path, "digits")
+    train(plan, Topology(), Reporter(), batch_source=late_start)
+    first = read_log(plan)[0]
+    assert first["step"] == 20 and first["steps_per_s"] > 20 / start_up_s
 
 
 def totals(wait, step, read, pre, unused=()):

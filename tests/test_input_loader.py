@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches, iterate_files
-from service.data.prefetch import prefetch
+from service.data.prefetch import Prefetcher, prefetch
 from service.data.sharding import RowRange
 from service.errors import DataError
 from service.workloads.digits import Digits
@@ -248,6 +248,32 @@ def test_prefetch_keeps_order_forwards_errors_and_stops_its_thread():
             break
         threading.Event().wait(0.05)
     assert threading.active_count() <= before
+
+
+def test_prefetch_hands_over_whole_runs_and_starts_the_next_below_depth():
+    pulled = []
+
+    def runs():  # runs of 5 items, as a window's batches
+        for r in range(100):
+            pulled.append(r)
+            yield [(r, i) for i in range(5)]
+
+    def settled(n: int) -> bool:  # the thread has pulled n runs (and no more)
+        for _ in range(100):
+            if len(pulled) >= n:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.05)
+        return len(pulled) == n
+
+    it = Prefetcher(runs(), depth=2)
+    assert settled(1)
+    assert [next(it) for _ in range(3)] == [(0, 0), (0, 1), (0, 2)]
+    assert settled(1)  # 2 items ready: not below the depth
+    assert next(it) == (0, 3)
+    assert settled(2)  # 1 ready: the next run is prepared
+    assert [next(it) for _ in range(6)] == [(0, 4)] + [(1, i) for i in range(5)]
+    it.close()
 
 
 # ---------------------------------------------------------------------------- memory

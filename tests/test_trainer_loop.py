@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pickle
+import random
 import shutil
 
 import numpy as np
@@ -36,6 +37,20 @@ class DropoutDigits(Digits):
         return nn.Sequential(
             nn.Dropout(0.2), SmallConvNet(self.num_classes, int(self.model_hparams(hparams)["width"]))
         )
+
+
+class HostRngDigits(Digits):
+    """Digits whose training-time augmentation draws from numpy's and Python's global
+    generators (as many user workloads do), in the training thread."""
+
+    name = "host_rng_digits"
+
+    def forward(self, model, batch):
+        x = batch["features"]
+        if model.training:
+            noise = np.random.normal(0.0, 0.05, size=tuple(x.shape)).astype(np.float32)
+            x = x * (1.0 + 0.1 * random.random()) + torch.from_numpy(noise)
+        return model(x)
 
 
 class Interrupted(Exception):
@@ -178,8 +193,11 @@ def test_validation_metrics_match_independent_evaluation(adamw_run, digits_dir):
     assert expected_error < 0.8
 
 
-def test_resume_matches_uninterrupted_run(digits_dir, tmp_path):
-    workload = f"{__name__}:DropoutDigits"
+@pytest.mark.parametrize("workload_class", ["DropoutDigits", "HostRngDigits"])
+def test_resume_matches_uninterrupted_run(digits_dir, tmp_path, workload_class):
+    """Dropout draws from torch's generator, HostRngDigits from numpy's and Python's: resume
+    restores each."""
+    workload = f"{__name__}:{workload_class}"
     storage = tmp_path / "storage"
 
     plan_a = make_plan(digits_dir, storage, "r1-0", workload=workload)
@@ -195,6 +213,8 @@ def test_resume_matches_uninterrupted_run(digits_dir, tmp_path):
     # ... and restarted in a new train() call from that checkpoint, with a different global
     # RNG state than the one saved (as a fresh process would have).
     torch.manual_seed(12345)
+    np.random.seed(12345)
+    random.seed(12345)
     resumed = Reporter(tmp_path / "b2", restore_state=checkpoint.load(first.reports[0][1]))
     summary = train(plan_b, Topology(), resumed)
 

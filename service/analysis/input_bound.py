@@ -15,7 +15,8 @@ is input-bound, and the numbers name the likely cause and the remedy:
   cluster (local storage: faster disk, fewer and larger row groups);
 * preprocessing dominates -> heavy online preprocessing: move it offline with
   `playbook preprocess`;
-* with Ray Data input workers (which read and preprocess off the rank) -> more input workers.
+* with input worker processes or Ray Data input workers (which read and preprocess off the
+  rank) -> more input workers.
 """
 
 from __future__ import annotations
@@ -91,18 +92,18 @@ def input_bound(
 def likely_cause(
     totals: InputTotals, remote: bool, prefetch_batches: int, input_workers: str = "local"
 ) -> tuple[str, str]:
-    """(cause, sentence with the remedy), the most specific first. With Ray Data input workers
-    the reads and preprocessing happen in those workers, not on the rank (its read and
+    """(cause, sentence with the remedy), the most specific first. With input workers (processes
+    or Ray Data) the reads and preprocessing happen in those workers, not on the rank (its read and
     preprocess times are ~0), so the rank's timings cannot tell them apart."""
     if totals.unused_columns:
         cols = ", ".join(totals.unused_columns)
         return "unused_columns", (
             f"columns the workload declares but never uses are read ({cols}): drop them from its columns."
         )
-    if input_workers == "ray_data":
+    if input_workers in ("processes", "ray_data"):
         return "input_workers", (
-            "the Ray Data input workers do not keep up with the steps: raise input.num_input_workers "
-            "(or cpus_per_input_worker), move the workload's preprocessing offline with "
+            "the input workers do not keep up with the steps: raise input.num_input_workers "
+            "(where the cores allow), move the workload's preprocessing offline with "
             "`playbook preprocess`, or keep the data closer to the cluster."
         )
     compute_s = totals.step_s - totals.wait_s
@@ -125,7 +126,7 @@ def likely_cause(
         )
     return "online_preprocessing", (
         f"the workload's online preprocessing takes {totals.preprocess_s:.3g} s: move it offline "
-        "with `playbook preprocess`."
+        "with `playbook preprocess`, or run it in input worker processes (input.workers: processes)."
     )
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -48,35 +52,54 @@ def list_files(uri: str) -> list[DataFile]:
 
 # Every data file this process opened, in order (the trial metadata reports them per rank).
 OPENED: list[str] = []
+FOOTERS_KEPT = 128
+"""Parsed footers a reader keeps (the most recently used files'): a window reopens its files
+without reading their footers again."""
 
 
 class ParquetReader:
-    """Reads row groups of one file at a time, projecting `columns` at read time (the column
-    chunks of other columns are never fetched or decoded). Keeps the last file open, so
-    streaming its row groups in order opens it once. Every file must give each column the type
-    the first file gave it (a schema mismatch names the file and the column)."""
+    """Reads row groups, projecting `columns` at read time (the column chunks of other columns
+    are never fetched or decoded). Each read opens the file on its own, with the footer parsed
+    once and cached, so reads of several files can run on several threads at once. Every file
+    must give each column the type the first file gave it (a schema mismatch names the file
+    and the column)."""
 
     def __init__(self, columns: tuple[str, ...]):
         self.columns = columns
         self.expected: dict[str, tuple[pa.DataType, str]] = {}
-        self._uri: str | None = None
-        self._handle = None
-        self._file: pq.ParquetFile | None = None
+        self._footers: OrderedDict[str, pq.FileMetaData] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def _open(self, uri: str) -> pq.ParquetFile:
-        if uri == self._uri and self._file is not None:
-            return self._file
-        self.close()
-        OPENED.append(uri)
+    def _footer(self, uri: str) -> pq.FileMetaData:
+        # Under the lock: the threads reading a window's row groups of one file at once read
+        # its footer once.
+        with self._lock:
+            if uri in self._footers:
+                self._footers.move_to_end(uri)
+                return self._footers[uri]
+            with self._open(uri, None) as pf:
+                footer = pf.metadata
+            self._check_schema(uri, footer.schema.to_arrow_schema())
+            self._footers[uri] = footer
+            if len(self._footers) > FOOTERS_KEPT:
+                self._footers.popitem(last=False)
+            OPENED.append(uri)
+            return footer
+
+    @contextmanager
+    def _open(self, uri: str, footer: pq.FileMetaData | None) -> Iterator[pq.ParquetFile]:
         fs, path = storage.split(uri)
         try:
-            self._handle = fs.open(path, "rb")
-            self._file = pq.ParquetFile(self._handle)
+            # Local files through pyarrow's own file (a window decoded ~25% faster here than
+            # through a Python file object); any other storage through fsspec.
+            source = path if "://" not in uri or uri.startswith("file://") else fs.open(path, "rb")
+            pf = pq.ParquetFile(source, metadata=footer)
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"{uri}: not a readable parquet file ({e})") from None
-        self._uri = uri
-        self._check_schema(uri, self._file.schema_arrow)
-        return self._file
+        try:
+            yield pf
+        finally:
+            pf.close(force=True)
 
     def _check_schema(self, uri: str, schema: pa.Schema) -> None:
         for c in self.columns:
@@ -89,17 +112,16 @@ class ParquetReader:
 
     def row_group_sizes(self, uri: str) -> list[int]:
         """Rows per row group (footer only)."""
-        md = self._open(uri).metadata
+        md = self._footer(uri)
         return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
     def read_row_group(self, uri: str, index: int) -> pa.Table:
-        pf = self._open(uri)
-        try:
-            table = pf.read_row_group(index, columns=list(self.columns))
-        except (OSError, pa.ArrowException) as e:
-            bad = self._bad_column(pf, index)
-            raise DataError(f"{uri}: {bad}cannot read row group {index} ({e})") from None
-        return table
+        with self._open(uri, self._footer(uri)) as pf:
+            try:
+                return pf.read_row_group(index, columns=list(self.columns))
+            except (OSError, pa.ArrowException) as e:
+                bad = self._bad_column(pf, index)
+                raise DataError(f"{uri}: {bad}cannot read row group {index} ({e})") from None
 
     def _bad_column(self, pf: pq.ParquetFile, index: int) -> str:
         """Which declared column fails to decode (read one at a time), as an error prefix."""
@@ -109,8 +131,3 @@ class ParquetReader:
             except (OSError, pa.ArrowException):
                 return f"column {c!r}: "
         return ""
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-        self._uri = self._handle = self._file = None

@@ -44,7 +44,8 @@ class TrialState:
     model: dict = field(default_factory=dict)
     optimizer: dict = field(default_factory=dict)
     rng_states: list = field(default_factory=list)
-    """torch CPU RNG state of each world rank, indexed by world rank."""
+    """Each world rank's generator states (`trainer.rng.capture`: torch CPU and CUDA, numpy,
+    Python), indexed by world rank. Older checkpoints hold the torch CPU state alone."""
     history: list = field(default_factory=list)
     """One dict of metrics per evaluation so far."""
     hparams: dict = field(default_factory=dict)

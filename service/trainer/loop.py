@@ -22,7 +22,7 @@ from service.data import files
 from service.data.files import list_files
 from service.data.input_timer import InputTimer
 from service.data.loader import Batch, TrainStream, eval_batches, unused_columns
-from service.data.prefetch import prefetch
+from service.data.prefetch import prefetch_stream
 from service.data.sharding import row_ranges, train_shard
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
@@ -32,7 +32,7 @@ from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost
 from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
-from service.trainer import checkpoint, topology_record
+from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
 from service.trainer.profiling import StepProfiler
 from service.trainer.rank0 import Rank0
@@ -53,7 +53,7 @@ background thread; `service.data.ray_input` serves them from Ray Data input work
 
 
 def local_batches(depth: int) -> BatchSource:
-    return lambda stream, start_step: prefetch(stream.iterate(start_step), depth)
+    return lambda stream, start_step: prefetch_stream(stream, start_step, depth)
 
 
 class Checkpointer(Protocol):
@@ -96,8 +96,9 @@ def all_reduce_min(value: float, device) -> float:
     return float(t.item())
 
 
-def gather_rng_states() -> list[torch.Tensor]:
-    mine = torch.get_rng_state()
+def gather_rng_states() -> list[dict]:
+    """Every rank's generator states (`trainer.rng`), indexed by world rank."""
+    mine = rng.capture()
     if not distributed():
         return [mine]
     states = [None] * dist.get_world_size()
@@ -136,8 +137,8 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     init_params = topology_record.params_sha256(model)
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
-    # Per-rank randomness (dropout, augmentation) from the per-host data seed.
-    torch.manual_seed(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
+    # Per-rank randomness (dropout, augmentation: torch, numpy or `random`) from the data seed.
+    rng.seed_all(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
 
     # 2. Data: training files sharded over hosts, eval rows over ranks.
     local_batch = tr.batch_size // topo.world_size
@@ -164,8 +165,15 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     if state.model:
         model.load_state_dict(state.model)
         optimizer.load_state_dict(state.optimizer)
-        if len(state.rng_states) == topo.world_size:  # else resumed on another world size
-            torch.set_rng_state(state.rng_states[topo.world_rank])
+        if len(state.rng_states) == topo.world_size:
+            rng.restore(state.rng_states[topo.world_rank])
+        else:  # the ranks' draws cannot continue as before: the run is no longer bitwise
+            rank0.run(
+                print,
+                f"[{plan.trial_name}] warning: resumed on {topo.world_size} ranks from a checkpoint "
+                f"of {len(state.rng_states)}; random draws restart from the data seeds",
+                flush=True,
+            )
     step, history = state.step, list(state.history)
     records = topology_record.gather(
         topology_record.rank_record(
@@ -182,7 +190,9 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
 
     base_lr = float(plan.hparams["learning_rate"])
     loss_sum, loss_count, first_bad_step = 0.0, 0, math.inf
-    interval_start = time.perf_counter()
+    # steps_per_s: the clock of the first interval starts once the first batch is in hand
+    # (the loader's start-up is start-up, not step time: InputTimer leaves it out too).
+    interval_start: float | None = None
     steps_in_interval = 0
     batches = (batch_source or local_batches(study.input.prefetch_batches))(stream, step)
     timer = InputTimer()
@@ -199,6 +209,8 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         timer.begin_step()
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         timer.got_batch()
+        if interval_start is None:
+            interval_start = time.perf_counter()
         loss = workload.loss(workload.forward(ddp, batch), batch).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -48,10 +48,13 @@ class Digits(Workload):
         return SmallConvNet(self.num_classes, int(hp["width"]))
 
     def to_batch(self, table: pa.Table) -> dict[str, torch.Tensor]:
-        pixels = table.column("pixels").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        # One copy straight from the chunks (a window's table has one per row group), which is
+        # also the writable array torch wants; combine_chunks first would copy twice.
+        chunks = [c.flatten().to_numpy(zero_copy_only=False) for c in table.column("pixels").chunks]
+        pixels = np.concatenate(chunks, dtype=np.float32) if chunks else np.empty(0, np.float32)
         labels = table.column(self.label_column).to_numpy().astype(np.int64)
         return {
-            "features": torch.from_numpy(np.array(pixels, dtype=np.float32)).view(-1, 1, 8, 8),
+            "features": torch.from_numpy(pixels).view(-1, 1, 8, 8),
             "label": torch.from_numpy(self.map_labels(labels)),
             "example_id": torch.from_numpy(table.column(self.id_column).to_numpy().astype(np.int64)),
         }
