@@ -3,6 +3,7 @@ resumability, bad files named with the column, prefetch, and memory bounded by t
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -342,3 +343,35 @@ def test_iterate_files_is_the_training_stream_on_whole_files(many_groups, tmp_pa
     )
     for _ in range(20):
         assert torch.equal(next(got)["example_id"], next(want)["example_id"])
+
+
+def test_on_gcs_the_unused_column_is_not_fetched(gcs_emulator, monkeypatch):
+    """The same on gs:// through gcsfs (against the emulator): a read block larger than the
+    column chunks (gcsfs reads 5 MiB blocks by default) would fetch the unused column with
+    them. Bytes are counted where gcsfs sends each GET (a spy around its own method)."""
+    import gcsfs.core
+
+    from service import storage
+
+    local = io.BytesIO()
+    pq.write_table(digit_table(range(200), junk_bytes=10_000), local, row_group_size=50)
+    uri = f"{gcs_emulator}/projection/a.parquet"
+    storage.write_bytes_atomic(uri, local.getvalue())
+    md = pq.read_metadata(io.BytesIO(local.getvalue()))
+    junk = md.schema.to_arrow_schema().names.index("junk")
+    junk_bytes = sum(md.row_group(i).column(junk).total_compressed_size for i in range(md.num_row_groups))
+    assert junk_bytes > 0.8 * len(local.getvalue())
+
+    fetched = []
+    original = gcsfs.core.GCSFileSystem._cat_file_sequential  # every ranged GET of gcsfs
+
+    async def counting(self, path, start=None, end=None, **kwargs):
+        data = await original(self, path, start=start, end=end, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_cat_file_sequential", counting)
+    files = list_files(f"{gcs_emulator}/projection")
+    stream = TrainStream(Digits(), [RowRange(files[0], 0, 200)], 20, data_seed=0)
+    assert len(ids_of(b for _, b in zip(range(10), stream.iterate(0), strict=False))) == 200
+    assert fetched and sum(fetched) < junk_bytes / 5, (sum(fetched), junk_bytes)
