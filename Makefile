@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean chromium bench
+.PHONY: setup demo test test-fast test-cluster lint clean chromium bench bench-cluster
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,10 @@ chromium:
 # bench/results.json, bench/results.md and the README's performance table.
 bench: setup
 	$(PY) -m bench.run
+
+# The 200-trial study and the 4-node simulated cluster (issue 11): ~10 minutes on 2 cores.
+bench-cluster: setup
+	$(PY) -m bench.run --only cluster
 
 lint: setup
 	$(VENV)/bin/ruff check service tests

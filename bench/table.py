@@ -35,17 +35,21 @@ def markdown(results: dict) -> str:
     ]
     for key in GOALS:
         if key not in figures:
-            lines.append(f"| `{key}` | — | {GOALS[key][0]} {GOALS[key][1]:g} | not run | | {GOALS[key][2]} |")
+            op, goal, what = GOALS[key]
+            goal_text = "informational" if op == "info" else f"{op} {goal:g}"
+            lines.append(f"| `{key}` | — | {goal_text} | not run | | {what} |")
             continue
         f = figures[key]
         raw = ""
         if key in BASELINES:
             a, b, unit = BASELINES[key]
             raw = f"{_num(f['raw'][a])} / {_num(f['raw'][b])} {unit}"
-        met = "yes" if f["pass"] else "**no**"
+        met = "—" if f["goal"] == "informational" else "yes" if f["pass"] else "**no**"
         lines.append(f"| `{key}` | {_num(f['value'])} | {f['goal']} | {met} | {raw} | {f['what']} |")
     if "scale" in figures:
         lines += ["", *scale_lines(figures["scale"]["raw"])]
+    if "cluster" in figures:
+        lines += ["", *cluster_lines(figures["cluster"]["raw"])]
     m = results.get("machine", {})
     lines.append("")
     lines.append(
@@ -92,6 +96,22 @@ def main() -> None:
         _, tail = rest.split(END, 1)
         with open(README, "w") as f:
             f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+def cluster_lines(raw: dict) -> list[str]:
+    """The real study and the multi-host trial of `bench/cluster.py`, in two sentences."""
+    s, m = raw["study"], raw["multihost"]
+    return [
+        f"Cluster (`cluster`): {s['trials']} one-worker trials of {s['steps_per_trial']} steps, "
+        f"{s['concurrency']} at once: {_num(s['wall_s'])} s, {_num(s['trials_per_s'])} trials/s, "
+        f"{_num(s['fixed_cost_per_trial_s'])} s fixed cost per trial (step loop "
+        f"{_num(s['step_loop_s_per_trial'])} s), coordinator process "
+        f"{_num(s['coordinator_cpu_per_trial_ms'])} ms CPU per trial. {m['hosts']} hosts x "
+        f"{m['workers_per_host']} worker: {_num(1e3 * m['step_s'])} ms per step; metric all-reduce "
+        f"{_num(1e3 * m['reduce_s_per_eval'])} ms and BN sync {_num(1e3 * m['bn_sync_s_per_eval'])} ms "
+        f"per eval ({_num(100 * m['guarantees_share_of_step'])}% of step time at eval every "
+        f"{m['eval_every_steps']} steps).",
+    ]
 
 
 if __name__ == "__main__":

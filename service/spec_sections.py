@@ -21,6 +21,10 @@ class InputPipeline:
     shuffle_window_row_groups: int = 4
     """Row groups whose rows are shuffled together (after shuffling the order of row groups
     every epoch). Larger mixes better and holds more rows in memory per rank."""
+    cache_mb: int = 256
+    """Per rank: when the rank's training shard fits in this many MB (its declared columns,
+    uncompressed), its rows are kept in memory after the first epoch reads them, and later
+    epochs read no file (tf.data's `cache()`). A larger shard is streamed every epoch. 0: never."""
     input_bound_threshold: float = 0.2
     """A trial is input-bound when its steps spend more than this fraction of their time
     waiting for the next batch (`input/exposed_fraction`, over all ranks)."""
@@ -42,7 +46,7 @@ class InputPipeline:
 
     def errors(self):
         yield from positive(self, "num_input_workers", "cpus_per_input_worker")
-        yield from non_negative(self, "prefetch_batches", "profile_steps")
+        yield from non_negative(self, "prefetch_batches", "profile_steps", "cache_mb")
         yield from positive(self, "shuffle_window_row_groups")
         if not 0 < self.input_bound_threshold < 1:
             yield "input_bound_threshold", f"must be in (0, 1) (got {self.input_bound_threshold})"

@@ -212,12 +212,22 @@ def test_profile_steps_write_a_chrome_trace(digits_dir, tmp_path):
     assert any(n.startswith("aten::conv") for n in names)  # the model's forward ran inside it
 
 
+def test_a_trial_ending_inside_the_profiled_steps_still_writes_its_trace(digits_dir, tmp_path):
+    """profile_steps beyond the trial's 40 steps: the trace of the steps run is written at the end."""
+    plan = plan_for(digits_dir, tmp_path / "p", "digits", profile_steps=1000)
+    run(plan)
+    with open(f"{plan.trial_uri}/profile/rank0.trace.json") as f:
+        trace = json.load(f)
+    assert any(e.get("name", "").startswith("aten::conv") for e in trace["traceEvents"])
+
+
 @pytest.mark.parametrize(
     "section, message",
     [
         ({"prefetch_batches": -1}, "input.prefetch_batches: must be >= 0"),
         ({"input_bound_threshold": 1.5}, "input.input_bound_threshold: must be in (0, 1)"),
         ({"shuffle_window_row_groups": 0}, "input.shuffle_window_row_groups: must be > 0"),
+        ({"cache_mb": -1}, "input.cache_mb: must be >= 0"),
         ({"prefetch": 2}, "input.prefetch"),
     ],
 )

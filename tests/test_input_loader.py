@@ -189,6 +189,40 @@ def test_any_start_step_continues_the_same_sequence(many_groups):
     assert ids_of(other) != ids_of(reference)
 
 
+def test_a_cached_shard_gives_the_same_batches_and_reads_no_file_after_its_first_epoch(tmp_path):
+    """input.cache_mb: the shard's rows kept after their first read (it fits the budget), so
+    later epochs read no byte; the batches are the streaming loader's, from any start step.
+    A budget the shard does not fit leaves it streamed every epoch."""
+    fsspec.register_implementation("counting", CountingFileSystem, clobber=True)
+    for j in range(3):
+        write(tmp_path / f"part-{j}.parquet", digit_table(range(j * 60, (j + 1) * 60)), row_group_size=20)
+    ranges = [RowRange(f, 0, f.num_rows) for f in list_files(f"counting://{tmp_path}")]
+    batch, steps_per_epoch = 12, 180 // 12
+
+    def epochs_read(cache_bytes: int) -> tuple[list[dict], list[int]]:
+        stream = TrainStream(Digits(), ranges, batch, data_seed=4, cache_bytes=cache_bytes)
+        batches, read = [], []
+        it = stream.iterate(0)
+        for _ in range(3):
+            before = CountingFileSystem.bytes_read
+            batches += [next(it) for _ in range(steps_per_epoch)]
+            read.append(CountingFileSystem.bytes_read - before)
+        return batches, read
+
+    streamed, streamed_read = epochs_read(0)
+    cached, cached_read = epochs_read(1 << 20)
+    too_small, too_small_read = epochs_read(10_000)  # < the 180 rows' 46 KB of pixels
+    for got in (cached, too_small):
+        for a, b in zip(got, streamed, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in b)
+    assert min(streamed_read) > 0 and min(too_small_read) > 0
+    assert cached_read[0] > 0 and cached_read[1:] == [0, 0]
+    # from a middle step (a resume) the cached stream continues the same sequence
+    resumed = TrainStream(Digits(), ranges, batch, data_seed=4, cache_bytes=1 << 20).iterate(20)
+    for b in streamed[20:40]:
+        assert torch.equal(next(resumed)["example_id"], b["example_id"])
+
+
 def test_eval_batches_stream_the_shard_in_file_order_with_a_sample(many_groups):
     ranges, shard_ids = many_groups
     assert ids_of(eval_batches(Digits(), ranges, 6)) == shard_ids

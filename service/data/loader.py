@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -96,11 +97,33 @@ def pieces_of(ranges: list[RowRange], reader: ParquetReader) -> list[Piece]:
 class WindowReader:
     """Reads pieces into tensors: projection at read time, `to_batch` once per window."""
 
-    def __init__(self, workload: Workload, stats: LoaderStats | None = None):
+    def __init__(self, workload: Workload, stats: LoaderStats | None = None, cache_bytes: int = 0):
         self.workload = workload
         self.reader = ParquetReader(workload.columns)
         self.stats = stats or LoaderStats()
         self._pool: ThreadPoolExecutor | None = None
+        # Piece -> its rows as read, reused by later epochs (tf.data's `cache()`), while all of
+        # them fit in `cache_bytes` (the Arrow buffers they hold). The first piece that would
+        # overflow it drops the cache for good: the shard is streamed every epoch instead (a
+        # partial cache read in a new shuffled order each epoch would mostly miss).
+        self.cache: dict[Piece, pa.Table] | None = {} if cache_bytes > 0 else None
+        self.cache_free = cache_bytes
+        self._cache_lock = threading.Lock()
+
+    def _cached_read(self, p: Piece) -> pa.Table:
+        cache = self.cache
+        table = cache.get(p) if cache is not None else None
+        if table is not None:
+            return table
+        table = self.reader.read_row_group(p.uri, p.row_group).slice(p.lo, p.num_rows)
+        with self._cache_lock:
+            if self.cache is not None:
+                self.cache_free -= table.get_total_buffer_size()  # a slice holds its row group
+                if self.cache_free >= 0:
+                    self.cache[p] = table
+                else:
+                    self.cache = None
+        return table
 
     def read(self, pieces: list[Piece]) -> Batch:
         t0 = time.perf_counter()
@@ -122,14 +145,11 @@ class WindowReader:
         once: pyarrow decodes without the GIL, so a window decodes on several cores (as one
         `pq.read_table` of the files would)."""
 
-        def read(p: Piece) -> pa.Table:
-            return self.reader.read_row_group(p.uri, p.row_group).slice(p.lo, p.num_rows)
-
         if len(pieces) == 1:
-            return read(pieces[0])
+            return self._cached_read(pieces[0])
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READ_THREADS, "playbook-read")
-        return pa.concat_tables(list(self._pool.map(read, pieces)))
+        return pa.concat_tables(list(self._pool.map(self._cached_read, pieces)))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -176,6 +196,7 @@ class TrainStream:
         batch_size: int,
         data_seed: int,
         shuffle_window_row_groups: int = DEFAULT_SHUFFLE_WINDOW_ROW_GROUPS,
+        cache_bytes: int = 0,
     ):
         self.workload, self.batch_size, self.data_seed = workload, batch_size, data_seed
         self.window = shuffle_window_row_groups
@@ -184,6 +205,8 @@ class TrainStream:
         self.num_examples = sum(p.num_rows for p in self.pieces)
         if not self.num_examples:
             raise DataError("this rank's data shard is empty")
+        self.cache_bytes = cache_bytes
+        """Keep the shard's rows in memory after their first read when they fit (`WindowReader`)."""
 
     def _windows(self, epoch: int) -> list[list[Piece]]:
         order = np.random.default_rng([self.data_seed, epoch]).permutation(len(self.pieces))
@@ -214,7 +237,7 @@ class TrainStream:
         return {k: v.index_select(0, keep) for k, v in tensors.items()}
 
     def _chunks(self, position: int, stats: LoaderStats) -> Iterator[Batch]:
-        reader = WindowReader(self.workload, stats)
+        reader = WindowReader(self.workload, stats, self.cache_bytes)
         try:
             for task in self.plan(position):
                 yield self.load(task, reader)

@@ -147,7 +147,14 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     shard = train_shard(
         list_files(study.data.train), topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank
     )
-    stream = TrainStream(workload, shard, local_batch, my_data_seed, study.input.shuffle_window_row_groups)
+    stream = TrainStream(
+        workload,
+        shard,
+        local_batch,
+        my_data_seed,
+        study.input.shuffle_window_row_groups,
+        cache_bytes=study.input.cache_mb << 20,
+    )
     unused = ",".join(unused_columns(workload, shard))
     val_files = list_files(study.data.validation)
     val_ranges = row_ranges(val_files, topo.world_rank, topo.world_size)
@@ -231,15 +238,18 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         # 4. Evaluation point: agree on divergence, sync BN stats, evaluate, checkpoint, report.
         elapsed_s = time.perf_counter() - interval_start
         bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
+        reduce_start = time.perf_counter()
         loss_total, loss_n, bad, *input_s = all_reduce_sum(
             [loss_sum, loss_count, bad_flag, *timer.take(), *stream.stats.take()], device
         )
+        reduce_s = time.perf_counter() - reduce_start
         row = {
             "step": step,
             "learning_rate": lr,
             "train/loss": loss_total / loss_n if loss_n else math.nan,
             "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9),
             **input_fields(input_s, unused),
+            "multihost/reduce_s": reduce_s,  # this rank's wait in the metric all-reduce
         }
         if bad:  # every rank agrees (a reduced value), so every rank takes this branch
             diverged_at = int(all_reduce_min(first_bad_step, device))
@@ -251,7 +261,9 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
             rank0.run(write_metrics_log, plan, history)
             reporter.report(row, None)
             break
+        sync_start = time.perf_counter()
         sync_batchnorm_stats(model)
+        row["multihost/bn_sync_s"] = time.perf_counter() - sync_start
         row.update(
             run_evals(
                 plan, workload, model, topo, val_ranges, sample, eval_local_batch, step, max_steps, device
@@ -281,6 +293,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         loss_sum, loss_count, steps_in_interval = 0.0, 0, 0
         interval_start = time.perf_counter()
 
+    rank0.run(profiler.close)  # a trial that ended inside its profiled steps
     best = best_row(history, tr.metric, tr.mode)
     return {
         "trial_name": plan.trial_name,
@@ -334,8 +347,11 @@ TIMING_FIELDS = (
     "input/step_s",
     "input/read_s",
     "input/preprocess_s",
+    "multihost/reduce_s",
+    "multihost/bn_sync_s",
 )
-"""Metrics-log fields that are wall-clock measurements: they differ between identical runs."""
+"""Metrics-log fields that are wall-clock measurements: they differ between identical runs (the
+`multihost/*` ones also between the ranks of one run: each rank times its own collective)."""
 
 
 def input_fields(sums: list[float], unused: str) -> dict:

@@ -28,10 +28,17 @@ class StepProfiler:
     def after_step(self, step: int) -> None:
         """`step` is the number of steps done."""
         if self._prof is not None and step >= self.last:
-            self._prof.__exit__(None, None, None)
-            with tempfile.TemporaryDirectory(prefix="playbook-trace-") as tmp:
-                path = os.path.join(tmp, "trace.json")
-                self._prof.export_chrome_trace(path)
-                with open(path, "rb") as f:
-                    storage.write_bytes_atomic(self.uri, f.read())
-            self._prof = None
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace of the steps profiled so far (the trial ended, or diverged,
+        before the last profiled step); nothing when no profile is running."""
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory(prefix="playbook-trace-") as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path, "rb") as f:
+                storage.write_bytes_atomic(self.uri, f.read())
