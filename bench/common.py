@@ -29,9 +29,9 @@ GOALS = {
     "loader_peak_rss_ratio": ("<=", 1.2, "loader peak RSS on a 10x dataset / on the base one"),
     "demo_wall_s": ("<", 300.0, "`make demo` wall time in seconds (setup excluded)"),
     "scale": (
-        "<=",
-        1.25,
-        "largest log-log growth slope of the service's costs in trials / files (1 = linear)",
+        "<",
+        1.0,
+        "planning at the top size (s): 100,000 trials' points, 100,000 files over 1,024 hosts",
     ),
     # No goal in issue 11: "info" figures always pass; their numbers are in raw.
     "cluster": (
