@@ -39,6 +39,28 @@ def cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_bytes(pid: int) -> int | None:
+    """Resident bytes of a process, from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rss_growth_per_trial(samples: list[dict]) -> float:
+    """Least-squares slope of the coordinator's resident bytes against trials done (samples
+    from the first quarter of the study on: start-up allocations excluded)."""
+    start = STUDY_TRIALS // 4
+    points = [(x["done"], x["rss_bytes"]) for x in samples if x["rss_bytes"] and x["done"] >= start]
+    if len(points) < 2:
+        return float("nan")
+    mx = statistics.fmean(d for d, _ in points)
+    my = statistics.fmean(r for _, r in points)
+    var = sum((d - mx) ** 2 for d, _ in points)
+    return sum((d - mx) * (r - my) for d, r in points) / var if var else float("nan")
+
+
 def process_tree(root_pids: list[int]) -> dict[int, str]:
     """pid -> command line of every descendant of `root_pids` (Ray workers are the raylets'
     children; their command line is their `ray::...` title)."""
@@ -134,6 +156,7 @@ def coordinator_cpu_sampler(trials_dir: str) -> Sampler:
         return {
             "pids": pids,
             "cpu_s": sum(cpu_s(p) or 0.0 for p in pids),
+            "rss_bytes": sum(rss_bytes(p) or 0 for p in pids),
             "t": time.perf_counter(),
             "done": done,
         }
@@ -184,6 +207,10 @@ def measure_study(tmp: str) -> dict:
         "coordinator_cpu_per_trial_ms": 1e3 * coordinator_cpu / STUDY_TRIALS,
         "coordinator_share_of_fixed_cost": coordinator_cpu / STUDY_TRIALS / (per_trial_s - loop_s),
         "coordinator_pid_found": bool(samples and samples[-1]["pids"]),
+        # Its memory (Tune's Trial objects and our rows) against trials done.
+        "coordinator_rss_at_quarter_mb": quarter["rss_bytes"] / 2**20,
+        "coordinator_rss_at_end_mb": max((x["rss_bytes"] for x in samples), default=0) / 2**20,
+        "coordinator_rss_per_trial_kb": rss_growth_per_trial(samples) / 1024,
     }
 
 
