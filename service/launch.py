@@ -58,25 +58,24 @@ def newest_committed_sibling(fs: pafs.FileSystem, path: str) -> tuple[str, Trial
     """The newest committed checkpoint among the siblings of the one at `path`, read through
     Ray's storage filesystem (local, or gs:// wrapped by `storage.ray_storage`): (path, state)."""
     parent = path.rstrip("/").rsplit("/", 1)[0]
-    best: tuple[int, str, bytes] | None = None
-    for info in fs.get_file_info(pafs.FileSelector(parent)):
-        if info.type != pafs.FileType.Directory or not info.base_name.startswith("checkpoint_"):
-            continue
+    folders = [
+        info.path
+        for info in fs.get_file_info(pafs.FileSelector(parent))
+        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
+    ]
 
-        def read(name: str, folder: str = info.path) -> bytes:
+    def reader_for(folder: str):
+        def read(name: str) -> bytes:
             with fs.open_input_stream(f"{folder}/{name}") as f:
                 return f.read()
 
-        try:
-            files = checkpoint.verify(info.path, read)
-        except CheckpointError:
-            continue
-        step = json.loads(files[checkpoint.META_FILE])["step"]
-        if best is None or step > best[0]:
-            best = (step, info.path, files[checkpoint.STATE_FILE])
-    if best is None:
+        return read
+
+    found = checkpoint.newest_committed(folders, reader_for)
+    if found is None:
         return None
-    return best[1], checkpoint.load_file(io.BytesIO(best[2]))
+    folder, files = found
+    return folder, checkpoint.load_file(io.BytesIO(files[checkpoint.STATE_FILE]))
 
 
 def worker_topology() -> Topology:

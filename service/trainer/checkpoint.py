@@ -200,7 +200,25 @@ def step_of(directory: str) -> int:
         return int(json.load(f)["step"])
 
 
+def newest_committed(
+    folders: list[str], reader_for: Callable[[str], Callable[[str], bytes]]
+) -> tuple[str, dict[str, bytes]] | None:
+    """The committed checkpoint with the highest step among `folders` (torn ones skipped), each
+    read through `reader_for(folder)` (any filesystem): (its folder, its verified files)."""
+    best: tuple[int, str, dict[str, bytes]] | None = None
+    for folder in folders:
+        read = reader_for(folder)
+        try:
+            files = verify(folder, read)
+        except CheckpointError:
+            continue
+        step = int(json.loads(files.get(META_FILE) or read(META_FILE))["step"])
+        if best is None or step > best[0]:
+            best = (step, folder, files)
+    return None if best is None else (best[1], best[2])
+
+
 def latest_complete(directories: list[str]) -> str | None:
-    """The committed checkpoint with the highest step among `directories` (torn ones skipped)."""
-    complete = [d for d in directories if is_complete(d)]
-    return max(complete, key=step_of, default=None)
+    """The local committed checkpoint directory with the highest step (torn ones skipped)."""
+    found = newest_committed(directories, _local_reader)
+    return None if found is None else found[0]
