@@ -191,10 +191,11 @@ class Coordinator:
             else {"cpu": TRIAL_DRIVER_CPU}
         )
         trainable = tune.with_resources(tune.with_parameters(launch.tune_trial, study=self.study), resources)
+        concurrency = self._concurrency(rnd)
         tuner = tune.Tuner(
             trainable,
             param_space={"trial": tune.grid_search(todo)},
-            tune_config=tune.TuneConfig(max_concurrent_trials=self._concurrency(rnd)),
+            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
             run_config=tune.RunConfig(
                 name=rnd.name,
                 storage_path=tune_path,
@@ -204,7 +205,7 @@ class Coordinator:
                 callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
             ),
         )
-        print(f"round {rnd.name}: {len(todo)} trials, at most {self._concurrency(rnd)} at once", flush=True)
+        print(f"round {rnd.name}: {len(todo)} trials, at most {concurrency} at once", flush=True)
         tuner.fit()
 
     def _concurrency(self, rnd: Round) -> int:

@@ -93,7 +93,8 @@ PERMANENT_ERRORS = (PermissionError, FileNotFoundError, IsADirectoryError, NotAD
 """Errors that a retry cannot fix; every other OSError (a dropped connection, a timeout, a 5xx
 from an object store) is taken as transient."""
 PERMANENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
-TRANSIENT_HTTP_CODES = {408, 429, 500, 502, 503, 504}
+TRANSIENT_HTTP_CODES = {"408", "429", "500", "502", "503", "504"}
+"""As strings: gcsfs's HttpError.code may be an int or a str."""
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:
@@ -109,7 +110,7 @@ def is_transient(e: BaseException) -> bool:
             return False
         return not isinstance(e, PERMANENT_ERRORS) and e.errno not in PERMANENT_ERRNOS
     code = getattr(e, "code", None)  # gcsfs HttpError, after gcsfs's own retries
-    return isinstance(e, storage_errors()) and str(code) in {str(c) for c in TRANSIENT_HTTP_CODES}
+    return isinstance(e, storage_errors()) and str(code) in TRANSIENT_HTTP_CODES
 
 
 def describe(e: BaseException) -> str:
