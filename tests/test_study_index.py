@@ -1,6 +1,6 @@
 """The storage root's study table: a study's row from its trial rows and provenance, and two
 processes recording studies into one root at the same time lose no rows (local disk, and gs://
-through gcsfs against gcp-storage-emulator on loopback), nor do two real studies run at once."""
+through gcsfs against gcp-storage-emulator on loopback)."""
 
 from __future__ import annotations
 
@@ -136,45 +136,3 @@ def test_two_processes_on_gcs_lose_no_rows(gcs_emulator, tmp_path):
     table = pq.read_table(io.BytesIO(storage.read_bytes(root + "/studies.parquet"))).to_pylist()
     assert sorted(r["study"] for r in table) == sorted(expected)
 
-
-@pytest.mark.ray
-def test_two_real_studies_at_once_into_one_root(ray_cluster, digits_dir, tmp_path):
-    """Two `run_study` coordinators on one cluster at the same time, one storage root: the
-    root's table (read from its files, not recompiled) has both studies, each with the trial
-    count and best metric of its own trial table."""
-    import threading
-
-    from service import spec
-    from service.coordinator import run_study
-    from tests.conftest import study_dict
-
-    root = tmp_path / "root"
-    studies = [
-        spec.load_dict(
-            study_dict(digits_dir, root, name=name, training={"max_train_steps": 20, "eval_every_steps": 10})
-        )
-        for name in ("left", "right")
-    ]
-    errors = []
-
-    def run(study):
-        try:
-            run_study(study)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in studies]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not errors and not any(t.is_alive() for t in threads), errors
-
-    table = {r["study"]: r for r in pq.read_table(str(root / "studies.parquet")).to_pylist()}
-    assert sorted(table) == ["left", "right"]
-    for study in studies:
-        trials = pq.read_table(os.path.join(study.study_uri, "trials.parquet")).to_pylist()
-        row = table[study.name]
-        assert row["trials"] == len(trials) == 2 and row["trials_finished"] == 2
-        assert row["best_metric"] == min(t["best_metric"] for t in trials)
-        assert row["state"] == "finished"
