@@ -135,4 +135,3 @@ def test_two_processes_on_gcs_lose_no_rows(gcs_emulator, tmp_path):
     expected = record_concurrently(root, str(tmp_path / "start"), 10, env=gcs_emulator)
     table = pq.read_table(io.BytesIO(storage.read_bytes(root + "/studies.parquet"))).to_pylist()
     assert sorted(r["study"] for r in table) == sorted(expected)
-
