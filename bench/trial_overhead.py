@@ -137,7 +137,7 @@ def run() -> dict:
     import ray
     from ray import tune
 
-    from service import fast_path, launch
+    from service.coordinator import study_trainable
     from service.data.builtin import write_digits
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
@@ -150,10 +150,7 @@ def run() -> dict:
             write_digits(data)
             tune_dir = f"{tmp}/tune"
             study = service_study(data, f"{tmp}/studies")
-            service_fn = tune.with_resources(
-                tune.with_parameters(launch.tune_trial, study=study),
-                fast_path.fast_path_resources(study.scaling),
-            )
+            service_fn = study_trainable(study)
             train_fn = tune.with_resources(tune.with_parameters(ray_train_trial, study=study), {"cpu": 0.01})
             plain_fn = tune.with_resources(plain_trial, {"cpu": 1})
 

@@ -112,6 +112,18 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
 
 
+def study_trainable(study: Study):
+    """The study's Tune trainable: `launch.tune_trial` with the study bound, registered under
+    the study's own name. Tune looks trainables up by name in a registry shared by the whole
+    Ray job, so two studies started from one job under one name would run each other's trials
+    (with the other study's spec and storage)."""
+    trainable = tune.with_parameters(launch.tune_trial, study=study)
+    trainable.__name__ = f"playbook-{study.name}"
+    s = study.scaling
+    resources = fast_path.fast_path_resources(s) if fast_path.is_fast_path(s) else {"cpu": TRIAL_DRIVER_CPU}
+    return tune.with_resources(trainable, resources)
+
+
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Coordinator:
     def __init__(self, study: Study):
@@ -184,13 +196,7 @@ class Coordinator:
         if not todo:
             return
         fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
-        scaling = self.study.scaling
-        resources = (
-            fast_path.fast_path_resources(scaling)
-            if fast_path.is_fast_path(scaling)
-            else {"cpu": TRIAL_DRIVER_CPU}
-        )
-        trainable = tune.with_resources(tune.with_parameters(launch.tune_trial, study=self.study), resources)
+        trainable = study_trainable(self.study)
         concurrency = self._concurrency(rnd)
         tuner = tune.Tuner(
             trainable,

@@ -1,10 +1,12 @@
 """The storage root's study table: a study's row from its trial rows and provenance, and two
 processes recording studies into one root at the same time lose no rows (local disk, and gs://
-through gcsfs against gcp-storage-emulator on loopback)."""
+through gcsfs against gcp-storage-emulator on loopback), nor do two real studies run at once from
+one driver, each running only its own trials."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shlex
 import subprocess
@@ -135,3 +137,67 @@ def test_two_processes_on_gcs_lose_no_rows(gcs_emulator, tmp_path):
     expected = record_concurrently(root, str(tmp_path / "start"), 10, env=gcs_emulator)
     table = pq.read_table(io.BytesIO(storage.read_bytes(root + "/studies.parquet"))).to_pylist()
     assert sorted(r["study"] for r in table) == sorted(expected)
+
+
+@pytest.mark.ray
+def test_two_real_studies_at_once_from_one_driver(ray_cluster, digits_dir, tmp_path):
+    """Two `run_study` coordinators started from one driver (one Ray job, one Tune trainable
+    registry), one storage root. "left" runs its trials one at a time and "right" starts once
+    left's first trial runs, so left's later trials start after right's Tuner registered its
+    trainable: each study's trials must still run with their own study (its storage, its round
+    names). The root's table (read from its files) has both studies, each with the trial count
+    and best metric of its own trial table."""
+    import threading
+
+    from service import spec
+    from service.coordinator import run_study
+    from tests.conftest import study_dict
+
+    root = tmp_path / "root"
+    steps = {"max_train_steps": 60, "eval_every_steps": 30}
+    left = spec.load_dict(
+        study_dict(
+            digits_dir,
+            root,
+            name="left",
+            training=steps,
+            rounds=[{"name": "explore", "num_trials": 3, "max_concurrent_trials": 1}],
+        )
+    )
+    right = spec.load_dict(
+        study_dict(digits_dir, root, name="right", training=steps, rounds=[{"name": "wide", "num_trials": 2}])
+    )
+    errors = []
+
+    def run(study):
+        try:
+            run_study(study)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (left, right)]
+    threads[0].start()
+    first_metrics = os.path.join(left.study_uri, "trials", "explore-0000", "metrics.jsonl")
+    deadline = time.time() + 300
+    while not os.path.exists(first_metrics) and time.time() < deadline and threads[0].is_alive():
+        time.sleep(0.2)
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+    table = {r["study"]: r for r in pq.read_table(str(root / "studies.parquet")).to_pylist()}
+    assert sorted(table) == ["left", "right"]
+    for study, prefix, n in ((left, "explore", 3), (right, "wide", 2)):
+        trials = pq.read_table(os.path.join(study.study_uri, "trials.parquet")).to_pylist()
+        names = sorted(t["trial_name"] for t in trials)
+        assert names == [f"{prefix}-{i:04d}" for i in range(n)]
+        # every trial trained into its own study's folder, and nothing else did
+        assert sorted(os.listdir(os.path.join(study.study_uri, "trials"))) == names
+        for name in names:
+            log = os.path.join(study.study_uri, "trials", name, "metrics.jsonl")
+            assert [json.loads(x)["step"] for x in open(log)][-1] == 60
+        row = table[study.name]
+        assert row["trials"] == n and row["trials_finished"] == n
+        assert row["best_metric"] == min(t["best_metric"] for t in trials)
+        assert row["state"] == "finished"
