@@ -33,6 +33,11 @@ GOALS = {
         1.0,
         "planning at the top size (s): 100,000 trials' points, 100,000 files over 1,024 hosts",
     ),
+    "tune_memory": (
+        "<=",
+        0.1,
+        "coordinator memory per trial (Ray Tune's) with a round split into Tune runs / as one run",
+    ),
     # No goal in issue 11: "info" figures always pass; their numbers are in raw.
     "cluster": (
         "info",

@@ -1,6 +1,6 @@
 """`make bench`: the benchmarks in turn, results to bench/results.json, then the tables.
 
-python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale cluster)
+python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale tune_memory cluster)
 Without --only every suite but `cluster` runs (a 200-trial study: ~10 minutes here, so it has
 its own target, `make bench-cluster`). Figures not measured in a run are kept from the existing
 results.json; each figure records when it was measured.
@@ -26,6 +26,7 @@ SUITES = {
     "trial": "bench.trial_overhead",
     "demo": "bench.demo",
     "scale": "bench.scale",
+    "tune_memory": "bench.tune_memory",
     "cluster": "bench.cluster",
 }
 SEPARATE = ("cluster",)

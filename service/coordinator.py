@@ -28,6 +28,12 @@ TRIAL_DRIVER_CPU = 0.01
 # Tune restarts a trial whose process died (a fast-path trial resumes from its latest
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
+# A round runs as Tune runs of at most max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS x its
+# concurrency) trials (unless the round says `trials_per_tune_run`): Tune holds ~150 KB per
+# trial until its run ends, and each run costs ~5 s to start and end plus its tail, where
+# slots idle while the last trials finish (about 1/(2 x 32) of the run's slot time).
+MIN_TRIALS_PER_TUNE_RUN = 512
+TUNE_RUN_SLOT_TRIALS = 32
 # A trial whose row has one of these is over; a rerun of the study does not start it again.
 DONE = ("FINISHED", "DIVERGED")
 
@@ -195,24 +201,34 @@ class Coordinator:
             )
         if not todo:
             return
-        fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
-        trainable = study_trainable(self.study)
         concurrency = self._concurrency(rnd)
-        tuner = tune.Tuner(
-            trainable,
-            param_space={"trial": tune.grid_search(todo)},
+        size = rnd.trials_per_tune_run or max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS * concurrency)
+        runs = math.ceil(len(todo) / size)
+        print(
+            f"round {rnd.name}: {len(todo)} trials, at most {concurrency} at once"
+            + (f", in {runs} Tune runs of up to {size}" if runs > 1 else ""),
+            flush=True,
+        )
+        for start in range(0, len(todo), size):
+            self._tune_run(rnd.name, todo[start : start + size], concurrency)
+
+    def _tune_run(self, name: str, configs: list[dict], concurrency: int) -> None:
+        """One Ray Tune run over these trial configs. Everything Tune keeps per trial is freed
+        when it returns: the trial table holds what the study keeps."""
+        fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
+        tune.Tuner(
+            study_trainable(self.study),
+            param_space={"trial": tune.grid_search(configs)},
             tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
             run_config=tune.RunConfig(
-                name=rnd.name,
+                name=name,
                 storage_path=tune_path,
                 storage_filesystem=fs,
                 verbose=0,
                 failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
                 callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
             ),
-        )
-        print(f"round {rnd.name}: {len(todo)} trials, at most {concurrency} at once", flush=True)
-        tuner.fit()
+        ).fit()
 
     def _concurrency(self, rnd: Round) -> int:
         if rnd.max_concurrent_trials:

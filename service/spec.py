@@ -230,6 +230,10 @@ class Round:
     """extend only: the round whose best trial is extended (default: the previous round)."""
     step_multiplier: float = 2.0
     """extend only: max_train_steps of the source round times this (unless max_train_steps)."""
+    trials_per_tune_run: int = 0
+    """The round runs as consecutive Ray Tune runs of at most this many trials, because Tune
+    keeps ~150 KB per trial in the coordinator until its run ends; 0 = max(512, 32 x the
+    round's concurrency), which bounds that memory and idles slots only at a run's tail."""
 
     def errors(self):
         if not NAME_RE.match(self.name):
@@ -237,7 +241,7 @@ class Round:
         yield from _positive(self, "num_trials", "step_multiplier")
         if self.kind != "extend" and self.from_round is not None:
             yield "from_round", "only applies to kind: extend"
-        yield from _non_negative(self, "max_concurrent_trials", "seed")
+        yield from _non_negative(self, "max_concurrent_trials", "seed", "trials_per_tune_run")
         if self.max_train_steps is not None and self.max_train_steps <= 0:
             yield "max_train_steps", f"must be > 0 (got {self.max_train_steps})"
 

@@ -243,3 +243,29 @@ def test_playbook_eval_command_prints_metrics_and_per_class_counts(finished_stud
     # (Ray's own log forwarding may add lines to this process's stderr; ours is exactly one.)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("playbook:")]
     assert errors == [f"playbook: error: {digits_dir}: no checkpoint there (no state.pt)"]
+
+
+def test_a_round_runs_as_tune_runs_of_at_most_trials_per_tune_run(ray_cluster, digits_dir, tmp_path):
+    """Tune keeps every trial of a run in the coordinator until the run ends, so a round runs
+    as consecutive Tune runs of at most `trials_per_tune_run` trials: 5 trials by 2 are 3 Tune
+    runs (Tune names a run's trial folders `<trainable>_<run id>_<index>`), and the round's
+    table is whole."""
+    from service.coordinator import run_study
+
+    study = make_study(
+        digits_dir,
+        tmp_path,
+        name="in-tune-runs",
+        training={"max_train_steps": 20, "eval_every_steps": 10},
+        rounds=[{"name": "explore", "num_trials": 5, "trials_per_tune_run": 2}],
+    )
+    rows = run_study(study)
+    assert sorted(r["trial_name"] for r in rows) == [f"explore-{i:04d}" for i in range(5)]
+    assert all(r["status"] == "FINISHED" and r["step"] == 20 for r in rows)
+    runs = {}
+    tune_dir = os.path.join(study.study_uri, "tune", "explore")
+    for d in os.listdir(tune_dir):
+        if os.path.isdir(os.path.join(tune_dir, d)):
+            run_id = d.split("_")[1]
+            runs[run_id] = runs.get(run_id, 0) + 1
+    assert sorted(runs.values()) == [1, 2, 2]

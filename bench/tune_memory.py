@@ -1,0 +1,127 @@
+"""tune_memory: the memory Ray Tune holds per trial in the process that drives it (the study's
+coordinator), for a round run as one Tune run against the same round run as consecutive Tune
+runs of at most `PER_RUN` trials (what `Coordinator._run_round` does, `trials_per_tune_run`).
+
+Each arm runs in its own process on its own local Ray cluster: TRIALS trivial function trials
+(two reports of ~40 metrics and a summary, like a service trial's), 2 at once, actors reused so
+that Tune's bookkeeping, not trial start-up, dominates. The driver's resident memory is sampled
+at every trial completion; the figure is the growth per trial of what is held at the end of
+each of the split round's runs (a least-squares slope over those sizes, after the first
+quarter) over the same for the single run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.common import figure
+
+TRIALS = 240
+PER_RUN = 30
+CONCURRENCY = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def trainable(config):
+    from ray import tune
+
+    for step in (1, 2):
+        tune.report({**{f"input/k{i}": float(i) for i in range(40)}, "validation/loss": 0.5, "step": step})
+    tune.report({"summary": True, "validation/loss": 0.4, "best_checkpoint": "x" * 100})
+
+
+def arm(trials: int, per_run: int) -> dict:
+    """In a fresh process: the round as Tune runs of `per_run` trials; RSS per completion."""
+    import ray
+    from ray import tune
+
+    samples: list[tuple[int, int]] = []
+
+    class Sampler(tune.Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            samples.append((len(samples) + 1, rss_bytes()))
+
+    configs = [
+        {"trial_name": f"t{i:05d}", "hparams": {"learning_rate": 0.001 * (i + 1)}} for i in range(trials)
+    ]
+    ray.init(address="local", num_cpus=CONCURRENCY, include_dashboard=False, log_to_driver=False)
+    t = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="playbook-bench-tune-") as tmp:
+            for start in range(0, trials, per_run):
+                tune.Tuner(
+                    tune.with_resources(trainable, {"cpu": 1}),
+                    param_space={"trial": tune.grid_search(configs[start : start + per_run])},
+                    tune_config=tune.TuneConfig(max_concurrent_trials=CONCURRENCY, reuse_actors=True),
+                    run_config=tune.RunConfig(name="r", storage_path=tmp, verbose=0, callbacks=[Sampler()]),
+                ).fit()
+    finally:
+        ray.shutdown()
+    return {"wall_s": time.perf_counter() - t, "samples": samples}
+
+
+def held_at(samples: list[tuple[int, int]], sizes: list[int]) -> list[float]:
+    """RSS when each size's trials are done: the median of the last 5 completions up to it
+    (single samples jitter by a few MB). For the split round these are the ends of its runs."""
+    return [float(np.median([rss for _, rss in samples[max(0, n - 5) : n]])) for n in sizes]
+
+
+def growth_per_trial(sizes: list[int], held: list[float]) -> float:
+    """Least-squares slope after the first quarter (the first runs also warm the process up)."""
+    q = len(sizes) // 4
+    return float(np.polyfit(sizes[q:], held[q:], 1)[0])
+
+
+def run_arm(per_run: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.tune_memory", str(TRIALS), str(per_run)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run() -> dict:
+    single, split = run_arm(TRIALS), run_arm(PER_RUN)
+    sizes = list(range(PER_RUN, TRIALS + 1, PER_RUN))
+    held = {name: held_at(a["samples"], sizes) for name, a in (("single", single), ("split", split))}
+    per_trial = {name: growth_per_trial(sizes, h) for name, h in held.items()}
+    extra_runs = TRIALS // PER_RUN - 1
+    return {
+        "tune_memory": figure(
+            "tune_memory",
+            per_trial["split"] / per_trial["single"],
+            trials=TRIALS,
+            trials_per_run=PER_RUN,
+            kb_per_trial_single_run=per_trial["single"] / 1024,
+            kb_per_trial_split=per_trial["split"] / 1024,
+            rss_mb_at={
+                name: {n: round(v / 2**20, 1) for n, v in zip(sizes, h, strict=True)}
+                for name, h in held.items()
+            },
+            wall_s_single=single["wall_s"],
+            wall_s_split=split["wall_s"],
+            s_per_extra_run=(split["wall_s"] - single["wall_s"]) / extra_runs,
+        )
+    }
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3:
+        print(json.dumps(arm(int(sys.argv[1]), int(sys.argv[2]))))
+    else:
+        print(json.dumps(run(), indent=1))
