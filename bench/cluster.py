@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -26,6 +27,7 @@ from bench.common import figure
 from bench.trial_overhead import ROOT, loop_seconds
 
 STUDY_TRIALS, STUDY_STEPS, STUDY_CONCURRENCY = 200, 8, 2
+STUDY_TRIALS_PER_TUNE_RUN = 50  # so that the round is 4 Tune runs (the default is >= 512)
 MH_HOSTS, MH_STEPS, MH_EVERY = 4, 200, 50
 
 
@@ -59,6 +61,18 @@ def rss_growth_per_trial(samples: list[dict]) -> float:
     my = statistics.fmean(r for _, r in points)
     var = sum((d - mx) ** 2 for d, _ in points)
     return sum((d - mx) * (r - my) for d, r in points) / var if var else float("nan")
+
+
+def rss_peak_by_run(samples: list[dict]) -> list[float]:
+    """The coordinator's peak resident bytes during each of the round's Tune runs (samples
+    binned by trials done). Tune frees its per-trial state when a run ends, so the peaks of
+    a coordinator that holds nothing more per trial than its rows stay level."""
+    runs = math.ceil(STUDY_TRIALS / STUDY_TRIALS_PER_TUNE_RUN)
+    peaks = [0.0] * runs
+    for x in samples:
+        k = min(x["done"] // STUDY_TRIALS_PER_TUNE_RUN, runs - 1)
+        peaks[k] = max(peaks[k], float(x["rss_bytes"] or 0))
+    return peaks
 
 
 def process_tree(root_pids: list[int]) -> dict[int, str]:
@@ -137,7 +151,14 @@ def study_spec(data: str, storage: str, name: str, num_trials: int, steps: int, 
                 "momentum": {"role": "nuisance", "type": "float", "min": 0.5, "max": 0.95},
                 "width": {"role": "fixed", "value": 4},
             },
-            "rounds": [{"name": "r", "num_trials": num_trials, "max_concurrent_trials": STUDY_CONCURRENCY}],
+            "rounds": [
+                {
+                    "name": "r",
+                    "num_trials": num_trials,
+                    "max_concurrent_trials": STUDY_CONCURRENCY,
+                    "trials_per_tune_run": STUDY_TRIALS_PER_TUNE_RUN,
+                }
+            ],
         }
     )
 
@@ -211,6 +232,8 @@ def measure_study(tmp: str) -> dict:
         "coordinator_rss_at_quarter_mb": quarter["rss_bytes"] / 2**20,
         "coordinator_rss_at_end_mb": max((x["rss_bytes"] for x in samples), default=0) / 2**20,
         "coordinator_rss_per_trial_kb": rss_growth_per_trial(samples) / 1024,
+        "trials_per_tune_run": STUDY_TRIALS_PER_TUNE_RUN,
+        "coordinator_rss_peak_by_tune_run_mb": [round(p / 2**20, 1) for p in rss_peak_by_run(samples)],
     }
 
 

@@ -42,8 +42,12 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_validate)
 
     c = sub.add_parser("status", help="trial table of a running or finished study")
-    c.add_argument("study", help="a study file, or a study name with --storage")
-    c.add_argument("--storage", help="storage root URI (default: the study file's)")
+    c.add_argument(
+        "study", help="a study file, a study URI (the folder holding its study.yaml), or a study name"
+    )
+    c.add_argument(
+        "--storage", help="storage root of a study name (default: $PLAYBOOK_STORAGE or ./playbook-studies)"
+    )
     c.set_defaults(func=cmd_status)
 
     c = sub.add_parser("report", help="write a study's HTML report and print it as a table")
@@ -168,17 +172,22 @@ def cmd_run(args) -> int:
 def cmd_status(args) -> int:
     from service import storage, tracking
 
-    if os.path.exists(args.study):
+    if os.path.isfile(args.study):
         study = load_study(args.study, args.storage)
         name, study_uri = study.name, study.study_uri
         metric, mode = study.training.metric, study.training.mode
     else:
-        root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
-        name, study_uri = args.study, storage.join(root, args.study)
-        metric, mode = "validation/error", "min"
-        if storage.exists(storage.join(study_uri, "study.yaml")):
-            stored = spec.load_text(storage.read_bytes(storage.join(study_uri, "study.yaml")).decode())
-            metric, mode = stored.training.metric, stored.training.mode
+        # A study URI (the folder holding its study.yaml, as `playbook report` takes), or a
+        # study name under --storage (default $PLAYBOOK_STORAGE or ./playbook-studies).
+        study_uri = storage.absolute(args.study).rstrip("/")
+        if args.storage or not storage.exists(storage.join(study_uri, "study.yaml")):
+            root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
+            study_uri = storage.join(root, args.study)
+        name, metric, mode = study_uri.rstrip("/").rsplit("/", 1)[-1], "validation/error", "min"
+        stored_file = storage.join(study_uri, "study.yaml")
+        if storage.exists(stored_file):
+            stored = spec.load_text(storage.read_bytes(stored_file).decode(), source=stored_file)
+            name, metric, mode = stored.name, stored.training.metric, stored.training.mode
     live = None
     if os.environ.get("RAY_ADDRESS"):
         from service.coordinator import live_status

@@ -103,10 +103,11 @@ def test_best_checkpoint_reproduces_its_metric_independently(finished_study, dig
         assert math.isclose(loss, row["best_metric"], rel_tol=1e-4)
 
 
-def stored_status(study) -> subprocess.CompletedProcess:
-    """`playbook status NAME --storage ROOT` from a shell with no Ray cluster to ask."""
+def stored_status(study, *target: str) -> subprocess.CompletedProcess:
+    """`playbook status NAME --storage ROOT` (or `playbook status TARGET`) from a shell with no
+    Ray cluster to ask."""
     return subprocess.run(
-        [sys.executable, "-m", "service", "status", study.name, "--storage", study.storage],
+        [sys.executable, "-m", "service", "status", *(target or (study.name, "--storage", study.storage))],
         capture_output=True,
         text=True,
         env={**os.environ, "RAY_ADDRESS": ""},
@@ -120,6 +121,14 @@ def test_status_reads_the_stored_study(finished_study):
     assert out.returncode == 0, out.stderr
     assert "explore-0000" in out.stdout and "explore-0001" in out.stdout
     assert "best trial:" in out.stdout
+
+
+def test_status_of_a_study_folder_is_the_status_by_name(finished_study):
+    """`playbook status` takes the study's folder, as `playbook report` does."""
+    study, _, _ = finished_study
+    by_name, by_folder = stored_status(study), stored_status(study, study.study_uri)
+    assert by_folder.returncode == 0, by_folder.stderr
+    assert by_folder.stdout == by_name.stdout and "explore-0000" in by_folder.stdout
 
 
 def test_rerunning_a_finished_study_trains_nothing_again(finished_study):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
+
 from service.data.files import DataFile
 from service.errors import DataError
 
@@ -30,14 +32,20 @@ def files_for_hosts(files: list[DataFile], num_hosts: int) -> list[list[DataFile
             f"{files[0].uri if files else 'data'}: {len(files)} training files "
             f"cannot be sharded over {num_hosts} hosts (need at least one per host)"
         )
-    order = sorted(range(len(files)), key=lambda i: (-files[i].num_rows, files[i].uri))
+    # Largest first, ties by URI. The file records are read once, in list order, into arrays:
+    # visiting 100,000 records in row-count order instead misses the cache on every one.
+    n = len(files)
+    rows = np.fromiter((f.num_rows for f in files), np.int64, n)
+    uri_rank = np.empty(n, np.int64)
+    uri_rank[sorted(range(n), key=[f.uri for f in files].__getitem__)] = np.arange(n)
+    order = np.lexsort((uri_rank, -rows))
     loads = [0] * num_hosts
     shards: list[list[int]] = [[] for _ in range(num_hosts)]
     lightest = [(0, h) for h in range(num_hosts)]  # a heap of (rows so far, host): O(log hosts) a file
-    for i in order:
+    for i, num_rows in zip(order.tolist(), rows[order].tolist(), strict=True):
         _, host = heapq.heappop(lightest)
         shards[host].append(i)
-        loads[host] += files[i].num_rows
+        loads[host] += num_rows
         heapq.heappush(lightest, (loads[host], host))
     for host, load in enumerate(loads):
         if load == 0:
