@@ -26,8 +26,8 @@ import timeit
 from bench.common import figure
 from bench.trial_overhead import ROOT, loop_seconds
 
-STUDY_TRIALS, STUDY_STEPS, STUDY_CONCURRENCY = 200, 8, 2
-STUDY_TRIALS_PER_TUNE_RUN = 50  # so that the round is 4 Tune runs (the default is >= 512)
+STUDY_TRIALS, STUDY_STEPS, STUDY_CONCURRENCY = 1000, 8, 2
+STUDY_TRIALS_PER_TUNE_RUN = 100  # so that the round is 10 Tune runs (the default is >= 512)
 MH_HOSTS, MH_STEPS, MH_EVERY = 4, 200, 50
 
 

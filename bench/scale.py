@@ -123,10 +123,9 @@ def planning() -> dict:
 
 
 def sharding() -> dict:
-    """What each rank plans at start: the whole files -> hosts assignment, then its row ranges.
-    The per-file cost steps up between 10,000 and 100,000 files (~1.4 to ~2.4 us here) as the
-    file records stop fitting in cache -- the assignment visits them in row-count order, not
-    memory order -- and levels off after (300,000)."""
+    """What each rank plans at start: the whole files -> hosts assignment, then its row ranges
+    (the assignment reads the file records once, in list order: visiting them in row-count
+    order missed the cache past ~10,000 files)."""
     rng = random.Random(0)
     grid = {}
     for num_files in FILES:

@@ -4,10 +4,13 @@ Tune (one Tune trial = one Ray Train run), keeps the trial table and answers sta
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import ray
 from ray import tune
+from ray.tune.logger import JsonLoggerCallback
+from ray.util.debug import reset_log_once
 
 from service import fast_path, launch, observe, spec, storage, tracking
 from service.analysis.input_bound import INPUT_ROW_FIELDS
@@ -145,6 +148,10 @@ class Coordinator:
         self.observers.metrics.start_republishing()
         self.state = "starting"
         self.current_round: str | None = None
+        # Not Tune's default CSV and TensorBoard logs per trial: the trial's metrics.jsonl and
+        # the trial table are its record, and Ray 2.60 keeps every trial's TensorBoard writer
+        # (an open file, a lock, a thread) in this process after the trial ends.
+        os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
 
     def run(self) -> list[dict]:
         storage.write_bytes_atomic(
@@ -219,16 +226,28 @@ class Coordinator:
         tune.Tuner(
             study_trainable(self.study),
             param_space={"trial": tune.grid_search(configs)},
-            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
+            # A trial's process (and its imports: torch, the workload) serves the run's next
+            # trial instead of a new actor per trial. Each trial sets its own seeds, threads and
+            # state, so what it computes does not depend on the process it lands in.
+            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, reuse_actors=True),
             run_config=tune.RunConfig(
                 name=name,
                 storage_path=tune_path,
                 storage_filesystem=fs,
                 verbose=0,
                 failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
-                callbacks=[ProgressCallback(self.study.name, self.study.training.metric)],
+                # Tune's result.json per trial (what its ResultGrid reads at the run's end); no
+                # CSV or TensorBoard logs (see __init__).
+                callbacks=[
+                    ProgressCallback(self.study.name, self.study.training.metric),
+                    JsonLoggerCallback(),
+                ],
             ),
         ).fit()
+        # Tune's JSON encoder of its experiment state logs "once" per distinct value it cannot
+        # encode (each trial's last-5/last-10 metric windows: ~28 keys a trial), in a set
+        # that lives as long as the process: forget them with the run.
+        reset_log_once()
 
     def _concurrency(self, rnd: Round) -> int:
         if rnd.max_concurrent_trials:

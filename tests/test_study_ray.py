@@ -257,8 +257,8 @@ def test_playbook_eval_command_prints_metrics_and_per_class_counts(finished_stud
 def test_a_round_runs_as_tune_runs_of_at_most_trials_per_tune_run(ray_cluster, digits_dir, tmp_path):
     """Tune keeps every trial of a run in the coordinator until the run ends, so a round runs
     as consecutive Tune runs of at most `trials_per_tune_run` trials: 5 trials by 2 are 3 Tune
-    runs (Tune names a run's trial folders `<trainable>_<run id>_<index>`), and the round's
-    table is whole."""
+    runs (Tune names a run's trial folders `<trainable>_<run id>_<index>`), the round's table
+    is whole, and Tune keeps no per-trial log writers."""
     from service.coordinator import run_study
 
     study = make_study(
@@ -278,3 +278,8 @@ def test_a_round_runs_as_tune_runs_of_at_most_trials_per_tune_run(ray_cluster, d
             run_id = d.split("_")[1]
             runs[run_id] = runs.get(run_id, 0) + 1
     assert sorted(runs.values()) == [1, 2, 2]
+    # Tune writes result.json per trial, and no TensorBoard writer (Ray keeps each one open in
+    # the coordinator after its trial) nor CSV log.
+    written = {f for _, _, files in os.walk(tune_dir) for f in files}
+    assert "result.json" in written and "progress.csv" not in written
+    assert not any(f.startswith("events.out.tfevents") for f in written)
