@@ -42,7 +42,7 @@ chromium:
 bench: setup
 	$(PY) -m bench.run
 
-# The 200-trial study and the 4-node simulated cluster (issue 11): ~10 minutes on 2 cores.
+# Only the 1,000-trial study and the 4-node simulated cluster (issue 11; also in `bench`).
 bench-cluster: setup
 	$(PY) -m bench.run --only cluster
 

@@ -42,7 +42,7 @@ GOALS = {
     "cluster": (
         "info",
         0.0,
-        "fixed cost per trial (s) of a 200-trial study on the local cluster; raw: the study, "
+        "fixed cost per trial (s) of a 1,000-trial study on the local cluster; raw: the study, "
         "the 4-node multi-host trial",
     ),
 }
