@@ -32,9 +32,9 @@ TRIAL_DRIVER_CPU = 0.01
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
 # A round runs as Tune runs of at most max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS x its
-# concurrency) trials (unless the round says `trials_per_tune_run`): Tune holds ~150 KB per
-# trial until its run ends, and each run costs ~5 s to start and end plus its tail, where
-# slots idle while the last trials finish (about 1/(2 x 32) of the run's slot time).
+# concurrency) trials (unless the round says `trials_per_tune_run`): Tune holds ~185 KB per
+# trial until its run ends (bench/tune_memory.py), and each run costs 2-8 s to start and end
+# plus its tail, where slots idle while the last trials finish (~1/(2 x 32) of its slot time).
 MIN_TRIALS_PER_TUNE_RUN = 512
 TUNE_RUN_SLOT_TRIALS = 32
 # A trial whose row has one of these is over; a rerun of the study does not start it again.
