@@ -2,7 +2,9 @@
 coordinator), for a round run as one Tune run against the same round run as consecutive Tune
 runs of at most `PER_RUN` trials (what `Coordinator._run_round` does, `trials_per_tune_run`).
 
-Each arm runs in its own process on its own local Ray cluster: TRIALS trivial function trials
+Each arm runs in its own process on its own local Ray cluster, with Tune set up as the
+coordinator sets it up (no CSV/TensorBoard loggers, Ray's log-once set cleared after each run,
+actors reused): TRIALS trivial function trials
 (two reports of ~40 metrics and a summary, like a service trial's), 2 at once, actors reused so
 that Tune's bookkeeping, not trial start-up, dominates. The driver's resident memory is sampled
 at every trial completion; the figure is the growth per trial of what is held at the end of
@@ -46,7 +48,10 @@ def arm(trials: int, per_run: int) -> dict:
     """In a fresh process: the round as Tune runs of `per_run` trials; RSS per completion."""
     import ray
     from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
+    from ray.util.debug import reset_log_once
 
+    os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"  # as the coordinator runs Tune
     samples: list[tuple[int, int]] = []
 
     class Sampler(tune.Callback):
@@ -65,8 +70,11 @@ def arm(trials: int, per_run: int) -> dict:
                     tune.with_resources(trainable, {"cpu": 1}),
                     param_space={"trial": tune.grid_search(configs[start : start + per_run])},
                     tune_config=tune.TuneConfig(max_concurrent_trials=CONCURRENCY, reuse_actors=True),
-                    run_config=tune.RunConfig(name="r", storage_path=tmp, verbose=0, callbacks=[Sampler()]),
+                    run_config=tune.RunConfig(
+                        name="r", storage_path=tmp, verbose=0, callbacks=[Sampler(), JsonLoggerCallback()]
+                    ),
                 ).fit()
+                reset_log_once()
     finally:
         ray.shutdown()
     return {"wall_s": time.perf_counter() - t, "samples": samples}
