@@ -23,17 +23,13 @@ import time
 
 import numpy as np
 
+from bench.cluster import rss_bytes
 from bench.common import figure
 
 TRIALS = 240
 PER_RUN = 30
 CONCURRENCY = 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def trainable(config):
@@ -56,7 +52,7 @@ def arm(trials: int, per_run: int) -> dict:
 
     class Sampler(tune.Callback):
         def on_trial_complete(self, iteration, trials, trial, **info):
-            samples.append((len(samples) + 1, rss_bytes()))
+            samples.append((len(samples) + 1, rss_bytes(os.getpid())))
 
     configs = [
         {"trial_name": f"t{i:05d}", "hparams": {"learning_rate": 0.001 * (i + 1)}} for i in range(trials)

@@ -216,15 +216,16 @@ class Coordinator:
             + (f", in {runs} Tune runs of up to {size}" if runs > 1 else ""),
             flush=True,
         )
+        trainable = study_trainable(self.study)  # once a round: it puts the study in Ray's store
         for start in range(0, len(todo), size):
-            self._tune_run(rnd.name, todo[start : start + size], concurrency)
+            self._tune_run(trainable, rnd.name, todo[start : start + size], concurrency)
 
-    def _tune_run(self, name: str, configs: list[dict], concurrency: int) -> None:
+    def _tune_run(self, trainable, name: str, configs: list[dict], concurrency: int) -> None:
         """One Ray Tune run over these trial configs. Everything Tune keeps per trial is freed
         when it returns: the trial table holds what the study keeps."""
         fs, tune_path = storage.ray_storage(storage.join(self.study.study_uri, "tune"))
         tune.Tuner(
-            study_trainable(self.study),
+            trainable,
             param_space={"trial": tune.grid_search(configs)},
             # A trial's process (and its imports: torch, the workload) serves the run's next
             # trial instead of a new actor per trial. Each trial sets its own seeds, threads and
