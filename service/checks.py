@@ -5,6 +5,7 @@ storage is writable. Each failure is one line naming the field or file."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 
 import pyarrow.parquet as pq
@@ -193,9 +194,38 @@ def check_storage(study: Study) -> None:
                 break
 
 
+# Fields that decide how a study's trials are run, not what they compute (the input workers
+# and cache give the same batches bit for bit): a rerun may change them, e.g. to resume on a
+# bigger cluster, and the coordinator stores the new study file.
+RUN_ONLY_FIELDS = (
+    "rounds[].max_concurrent_trials",
+    "rounds[].trials_per_tune_run",
+    "input.prefetch_batches",
+    "input.cache_mb",
+    "input.workers",
+    "input.num_input_workers",
+    "input.cpus_per_input_worker",
+    "tracking.progress_interval_s",
+)
+
+
+def changed_fields(old, new, path: str = "") -> list[str]:
+    """Dotted paths (`rounds[0].seed`) where two plain-data studies differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = list(old) + [k for k in new if k not in old]
+        return [p for k in keys for p in changed_fields(old.get(k), new.get(k), f"{path}.{k}".lstrip("."))]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [p for i, (a, b) in enumerate(zip(old, new)) for p in changed_fields(a, b, f"{path}[{i}]")]
+    return [] if old == new else [path]
+
+
+def _run_only(path: str) -> bool:
+    return re.sub(r"\[\d+\]", "[]", path) in RUN_ONLY_FIELDS
+
+
 def check_same_study(study: Study) -> None:
     """A rerun resumes the stored study; a *different* study under the same name and storage
-    would silently mix with it, so it is refused."""
+    would silently mix with it, so it is refused. Only `RUN_ONLY_FIELDS` may change."""
     stored_uri = storage.join(study.study_uri, "study.yaml")
     if not storage.exists(stored_uri):
         return
@@ -207,8 +237,8 @@ def check_same_study(study: Study) -> None:
         raise SpecError(f"{stored_uri}: the stored study file is not UTF-8 text") from None
     stored = spec.load_text(text, source=stored_uri)
     check_stored_study(study)
-    if stored != study:
-        changed = sorted(k for k, v in spec.to_dict(study).items() if spec.to_dict(stored).get(k) != v)
+    changed = [p for p in changed_fields(spec.to_dict(stored), spec.to_dict(study)) if not _run_only(p)]
+    if changed:
         raise SpecError(
             f"name: study {study.name!r} already exists at {study.study_uri} with a "
             f"different {', '.join(changed)}; rerun it unchanged to resume, or give "
