@@ -9,7 +9,7 @@ import os
 import sys
 
 from service import spec
-from service.errors import PlaybookError, StudyNotFound
+from service.errors import PlaybookError, SpecError, StudyNotFound
 from service.tracking import cell
 
 DEMO_STUDY = "studies/digits-demo.yaml"
@@ -177,10 +177,16 @@ def cmd_status(args) -> int:
         name, study_uri = study.name, study.study_uri
         metric, mode = study.training.metric, study.training.mode
     else:
-        # A study URI (the folder holding its study.yaml, as `playbook report` takes), or a
-        # study name under --storage (default $PLAYBOOK_STORAGE or ./playbook-studies).
+        # A study folder (holding its study.yaml, as `playbook report` takes) when the argument
+        # is a path, else a study name under --storage (default $PLAYBOOK_STORAGE or
+        # ./playbook-studies); a study name has no '/'.
         study_uri = storage.absolute(args.study).rstrip("/")
-        if args.storage or not storage.exists(storage.join(study_uri, "study.yaml")):
+        if "/" in args.study or (not args.storage and os.path.isdir(args.study)):
+            if args.storage:
+                raise SpecError(f"study: {args.study} is a path; --storage goes with a study name")
+            if not storage.exists(storage.join(study_uri, "study.yaml")):
+                raise StudyNotFound(f"{args.study}: no study.yaml there (not a study folder)")
+        else:
             root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
             study_uri = storage.join(root, args.study)
         name, metric, mode = study_uri.rstrip("/").rsplit("/", 1)[-1], "validation/error", "min"
@@ -252,7 +258,6 @@ def cmd_find_steps(args) -> int:
     from service import find_steps, storage
     from service.checks import check_data, check_same_study, check_storage
     from service.coordinator import run_study
-    from service.errors import SpecError
     from service.launch import read_metrics_log
     from service.trial import TrialPlan
 

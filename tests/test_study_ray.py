@@ -131,6 +131,20 @@ def test_status_of_a_study_folder_is_the_status_by_name(finished_study):
     assert by_folder.stdout == by_name.stdout and "explore-0000" in by_folder.stdout
 
 
+def test_status_of_a_path_that_is_no_study_folder_says_so(finished_study, tmp_path):
+    study, _, _ = finished_study
+    for target in (str(tmp_path / "nowhere"), str(tmp_path)):
+        out = stored_status(study, target)
+        assert out.returncode == 2 and out.stdout == ""
+        assert (
+            out.stderr.strip()
+            .splitlines()[-1]
+            .endswith(f"{target}: no study.yaml there (not a study folder)")
+        )
+    out = stored_status(study, study.study_uri, "--storage", study.storage)
+    assert out.returncode == 2 and "--storage goes with a study name" in out.stderr
+
+
 def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
     from service.coordinator import run_study
 
