@@ -4,8 +4,8 @@ cluster through the real code paths with synthetic rows.
 * planning: a quasi-random round's trial configs (`rounds.plan_round`) for 10 ... 100,000 trials;
   one rank's training shard (`sharding.train_shard`: files -> hosts, then its row ranges) for
   100 ... 100,000 files over 2 ... 1,024 hosts.
-* bookkeeping, 10 ... 10,000 trials: a whole study's trial events through the coordinator's Tune
-  callback (`ProgressCallback`: rows, the trial table's coalesced writes, the study-index row);
+* bookkeeping, 10 ... 10,000 trials: a whole study's trial events through the coordinator's
+  handler of them (`TrialEvents`: rows, the trial table's coalesced writes, the study-index row);
   one trial-table write; one study-index update (`study_index.record_study`); the round's
   verdicts (`report_lines.round_verdicts`); the report (`report.load` + `report.write`, what
   `playbook report` runs).
@@ -32,16 +32,15 @@ import statistics
 import tempfile
 import time
 import tracemalloc
-from types import SimpleNamespace
 
 from bench.common import figure
 from service import observe, report, spec, study_index, tracking
 from service.analysis.report_lines import round_verdicts
-from service.coordinator import ProgressCallback
 from service.data.files import DataFile
 from service.data.sharding import train_shard
 from service.rounds import plan_round
 from service.trial import TrialPlan
+from service.trial_events import TrialEvents
 
 PLAN_TRIALS = (10, 100, 1_000, 10_000, 100_000)
 FILES = (100, 1_000, 10_000, 100_000, 300_000)
@@ -155,13 +154,6 @@ def sharding() -> dict:
 # ----------------------------------------------------------------------------- bookkeeping
 
 
-def trial_event(name: str, max_train_steps: int) -> SimpleNamespace:
-    """What ProgressCallback reads of a Tune trial."""
-    return SimpleNamespace(
-        config={"trial": {"trial_name": name, "max_train_steps": max_train_steps}}, error_file=None
-    )
-
-
 def record_study(study: spec.Study, reports: int, seed: int = 0) -> tracking.TrialTable:
     """The coordinator's bookkeeping of a whole round, events back to back: plan the round,
     PENDING rows and a write (as `Coordinator._run_round`), then per trial the Tune events
@@ -177,10 +169,8 @@ def _record_study(study: spec.Study, reports: int, seed: int) -> tracking.TrialT
     table = tracking.TrialTable(
         study.study_uri, study.training.metric, study.training.mode, observers.rows_changed
     )
-    tracking.register(study.name, table)
-    observe.register(observers)
     metric = study.training.metric
-    callback = ProgressCallback(study.name, metric)
+    events = TrialEvents(table, observers, metric)
     rnd = study.rounds[0]
     configs = plan_round(study, rnd, [])
     for c in configs:
@@ -194,8 +184,8 @@ def _record_study(study: spec.Study, reports: int, seed: int) -> tracking.TrialT
     table.save()
     steps = study.round_steps(rnd)
     for c in configs:
-        trial = trial_event(c["trial_name"], steps)
-        callback.on_trial_start(0, [], trial)
+        trial = {"trial_name": c["trial_name"], "max_train_steps": steps}
+        events.started(trial)
         best = math.inf
         for i in range(1, reports + 1):
             value = rng.random()
@@ -206,7 +196,7 @@ def _record_study(study: spec.Study, reports: int, seed: int) -> tracking.TrialT
                 "train/loss": rng.random(),
                 "steps_per_s": 100.0,
             }
-            callback.on_trial_result(0, [], trial, result)
+            events.result(trial, result)
         summary = {
             "summary": True,
             "status": "finished",
@@ -215,8 +205,8 @@ def _record_study(study: spec.Study, reports: int, seed: int) -> tracking.TrialT
             "best_step": steps // 2,
             "best_checkpoint": f"{study.study_uri}/trials/{c['trial_name']}/ckpt",
         }
-        callback.on_trial_result(0, [], trial, summary)
-        callback.on_trial_complete(0, [], trial)
+        events.result(trial, summary)
+        events.complete(trial)
     table.save()
     observers.rows_changed(table.snapshot(), state="finished")
     return table

@@ -137,7 +137,7 @@ def run() -> dict:
     import ray
     from ray import tune
 
-    from service.coordinator import study_trainable
+    from service.tune_run import study_trainable
     from service.data.builtin import write_digits
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])

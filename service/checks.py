@@ -215,7 +215,8 @@ def changed_fields(old, new, path: str = "") -> list[str]:
         keys = list(old) + [k for k in new if k not in old]
         return [p for k in keys for p in changed_fields(old.get(k), new.get(k), f"{path}.{k}".lstrip("."))]
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [p for i, (a, b) in enumerate(zip(old, new)) for p in changed_fields(a, b, f"{path}[{i}]")]
+        pairs = enumerate(zip(old, new, strict=True))
+        return [p for i, (a, b) in pairs for p in changed_fields(a, b, f"{path}[{i}]")]
     return [] if old == new else [path]
 
 

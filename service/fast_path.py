@@ -24,11 +24,6 @@ from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore,
 from service.trial import TrialPlan
 
 
-def is_fast_path(scaling) -> bool:
-    """Trials of one worker skip Ray Train; several workers (or hosts) need its worker group."""
-    return scaling.world_size == 1
-
-
 class TuneReporter:
     """`loop.Reporter` on Ray Tune: metrics to Tune; checkpoints are kept by the store."""
 
@@ -57,8 +52,3 @@ def train_in_trial(plan: TrialPlan, batch_source: loop.BatchSource | None) -> li
     device = torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
     loop.train(plan, topo, TuneReporter(store), device, batch_source, checkpointer=saver)
     return store.complete()
-
-
-def fast_path_resources(scaling) -> dict:
-    """What a fast-path Tune trial reserves: its one worker's CPUs (and GPU)."""
-    return {"cpu": scaling.cpus_per_worker, **({"gpu": 1} if scaling.use_gpu else {})}

@@ -24,6 +24,7 @@ from service.topology import Topology, host_ranks
 from service.trainer import checkpoint, loop
 from service.trainer.checkpoint import TrialState
 from service.trial import TrialPlan, best_row, worst
+from service.tune_run import is_fast_path
 
 MAX_WORKER_GROUP_RESTARTS = 2
 
@@ -203,7 +204,7 @@ def tune_trial(config: dict, study: Study) -> None:
         seed=c.get("seed"),
         schedule=spec.schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
     )
-    if fast_path.is_fast_path(study.scaling):
+    if is_fast_path(study.scaling):
         kept = fast_path.train_in_trial(plan, batch_source(study))
         summary = summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
     else:

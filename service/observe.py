@@ -1,7 +1,6 @@
 """What watches a running study from inside its coordinator: the progress lines, the Ray
 metrics, the storage root's study index and the optional MLflow mirror. The coordinator
-builds one `StudyObservers` and registers it by study name; Tune's callback (which Tune
-pickles, so it holds only the name) finds it here, like the trial table in `tracking`."""
+builds one `StudyObservers`; its `TrialEvents` feed it Tune's trial events."""
 
 from __future__ import annotations
 
@@ -35,14 +34,3 @@ class StudyObservers:
         """A trial changed state: counts to the metrics, the study's row to the index."""
         self.metrics.on_rows(rows)
         study_index.record_study(self.study, rows, state)
-
-
-_OPEN: dict[str, StudyObservers] = {}
-
-
-def register(observers: StudyObservers) -> None:
-    _OPEN[observers.study.name] = observers
-
-
-def registered(study_name: str) -> StudyObservers | None:
-    return _OPEN.get(study_name)

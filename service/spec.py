@@ -232,7 +232,7 @@ class Round:
     """extend only: max_train_steps of the source round times this (unless max_train_steps)."""
     trials_per_tune_run: int = 0
     """The round runs as consecutive Ray Tune runs of at most this many trials, because Tune
-    keeps ~185 KB per trial in the coordinator until its run ends; 0 = max(512, 32 x the
+    keeps ~185 KB per trial in its process until the run ends; 0 = max(512, 32 x the
     round's concurrency), which bounds that memory and idles slots only at a run's tail."""
 
     def errors(self):

@@ -110,19 +110,6 @@ def read_rows(study_uri: str) -> list[dict]:
     return pq.read_table(io.BytesIO(storage.read_bytes(uri))).to_pylist()
 
 
-# Tables of the studies whose coordinator lives in this process. Tune callbacks find their
-# table here by study name (Tune pickles callbacks, so they cannot hold the table itself).
-_OPEN_TABLES: dict[str, TrialTable] = {}
-
-
-def register(study_name: str, table: TrialTable) -> None:
-    _OPEN_TABLES[study_name] = table
-
-
-def registered(study_name: str) -> TrialTable:
-    return _OPEN_TABLES[study_name]
-
-
 def cell(v) -> str:
     """A value as a table cell: '-' for none, floats with 4 significant digits."""
     if v is None:

@@ -1,8 +1,9 @@
 """The driver (`playbook run`, which holds the coordinator) SIGKILLed mid-study, then the same
 command rerun: finished trials are not rerun, the one cut off resumes from its checkpoint, no
 trial row is lost or doubled, a NaN trial ends DIVERGED while the study goes on, and every
-result is bitwise the uninterrupted run's. Also: a torn latest checkpoint on Ray's storage is
-skipped on resume."""
+result is bitwise the uninterrupted run's. The same guarantees when the process running the
+round's Tune run (`TuneRun`) is SIGKILLed instead: the coordinator starts the run again by
+itself. Also: a torn latest checkpoint on Ray's storage is skipped on resume."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pyarrow.parquet as pq
@@ -204,6 +206,73 @@ def test_logs_and_weights_are_bitwise_the_uninterrupted_runs(killed_and_rerun, b
         for key in b.model:
             assert torch.equal(a.model[key], b.model[key]), (name, key)
         assert same_nested(a.rng_states, b.rng_states)
+
+
+def alive_actor_pids(class_name: str) -> list[int]:
+    import ray
+
+    return [
+        a["Pid"]
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["Pid"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def tune_run_killed(baseline, digits_dir, tmp_path_factory):
+    """The study on the session cluster; its TuneRun process SIGKILLed at the moment the driver
+    is killed above (the first two trials over, the last one mid-run with a checkpoint)."""
+    from service.coordinator import run_study
+
+    study = spec.load_dict(study_raw(digits_dir, tmp_path_factory.mktemp("tunerun")))
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(rows=run_study(study)), daemon=True)
+    thread.start()
+    at_kill, last, deadline = None, TRIALS[-1], time.time() + 400
+    while thread.is_alive() and at_kill is None and time.time() < deadline:
+        done = {r["trial_name"]: r["status"] for r in stored_rows(study.study_uri)}
+        pids = alive_actor_pids("TuneRun")
+        if (
+            done.get(TRIALS[0]) == "FINISHED"
+            and done.get(TRIALS[1]) == "DIVERGED"
+            and registered_steps(study.study_uri, last)
+            and pids
+        ):
+            log = read_log(study.study_uri, last)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            at_kill = {
+                "registered": registered_steps(study.study_uri, last),
+                "logged": log[-1]["step"] if log else 0,
+                "topology": {
+                    t: open(os.path.join(trial_dir(study.study_uri, t), "topology.json")).read()
+                    for t in TRIALS
+                },
+            }
+        time.sleep(0.1)
+    thread.join(timeout=600)
+    assert at_kill is not None, "the Tune run was never killed mid-study"
+    return study, at_kill, out.get("rows")
+
+
+def test_a_killed_tune_run_is_started_again_and_ends_as_the_uninterrupted_run(tune_run_killed, baseline):
+    study, at_kill, rows = tune_run_killed
+    assert at_kill["logged"] < STEPS  # killed mid-trial
+    assert rows is not None, "run_study did not return"
+    assert sorted(r["trial_name"] for r in rows) == TRIALS  # each exactly once
+    assert sorted(r["trial_name"] for r in stored_rows(study.study_uri)) == TRIALS
+    want = {r["trial_name"]: r for r in stored_rows(baseline.study_uri)}
+    for row in rows:
+        for key in ("status", "step", "best_metric", "best_step", "diverged_at_step"):
+            assert row.get(key) == want[row["trial_name"]].get(key), (row["trial_name"], key)
+    for name in TRIALS[:2]:  # not started again: topology.json is rewritten by every start
+        with open(os.path.join(trial_dir(study.study_uri, name), "topology.json")) as f:
+            assert f.read() == at_kill["topology"][name], name
+    with open(os.path.join(trial_dir(study.study_uri, TRIALS[-1]), "topology.json")) as f:
+        resumed = json.load(f)["ranks"][0]["resumed_from_step"]
+    assert max(at_kill["registered"]) <= resumed < STEPS  # started again, from its checkpoint
+    for name in TRIALS:
+        assert read_log(study.study_uri, name) == read_log(baseline.study_uri, name), name
 
 
 def test_a_torn_latest_checkpoint_on_ray_storage_is_skipped(baseline, tmp_path):

@@ -508,15 +508,15 @@ def test_a_rerun_may_change_how_trials_run_but_not_what_they_compute(tmp_path):
 
     study = dataclasses.replace(spec.load_file(DEMO), storage=str(tmp_path))
     storage.write_bytes_atomic(storage.join(study.study_uri, "study.yaml"), spec.dump_yaml(study).encode())
-    first = study.rounds[0]
+    first, *rest = study.rounds
     bigger = dataclasses.replace(
         study,
-        rounds=(dataclasses.replace(first, max_concurrent_trials=64, trials_per_tune_run=7), *study.rounds[1:]),
+        rounds=(dataclasses.replace(first, max_concurrent_trials=64, trials_per_tune_run=7), *rest),
         input=dataclasses.replace(study.input, workers="processes", num_input_workers=3, cache_mb=0),
         tracking=dataclasses.replace(study.tracking, progress_interval_s=1.0),
     )
     check_same_study(bigger)  # resumes: same trials, run on more slots
-    reseeded = dataclasses.replace(bigger, rounds=(dataclasses.replace(first, seed=first.seed + 1), *study.rounds[1:]))
+    reseeded = dataclasses.replace(bigger, rounds=(dataclasses.replace(first, seed=first.seed + 1), *rest))
     with pytest.raises(SpecError, match=r"different rounds\[0\]\.seed; rerun it unchanged"):
         check_same_study(reseeded)
     longer = dataclasses.replace(study, training=dataclasses.replace(study.training, max_train_steps=7))

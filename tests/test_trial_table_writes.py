@@ -1,18 +1,17 @@
 """The trial table's writes while a study runs (no Ray cluster): coalesced so that recording N
-trials through the coordinator's Tune callback rewrites O(N) rows in all (not one whole-table
+trials through the coordinator's Tune events rewrites O(N) rows in all (not one whole-table
 rewrite per event, O(N^2)), a change inside the wait is written when it ends, writes take at
 most their share of the time, and a flush leaves every row on storage."""
 
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 
 from service import tracking
 from service.coalesce import Coalesced
-from service.coordinator import ProgressCallback
+from service.trial_events import TrialEvents
 
 
 class FakeTimer:
@@ -64,20 +63,19 @@ def test_recording_n_trials_rewrites_a_linear_number_of_rows(tmp_path, capsys):
 
     table = tracking.TrialTable(str(tmp_path / "study"), "validation/loss", "min", on_save, clock=fake)
     table.writes.Timer = fake.timer
-    tracking.register("writes", table)
-    callback = ProgressCallback("writes", "validation/loss")
+    events = TrialEvents(table, None, "validation/loss")
     n = 2000
     summary = {"summary": True, "status": "finished", "last_step": 10, "validation/loss": 0.5, "best_step": 5}
     for i in range(n):
-        trial = SimpleNamespace(config={"trial": {"trial_name": f"r-{i:04d}", "max_train_steps": 10}})
+        trial = {"trial_name": f"r-{i:04d}", "max_train_steps": 10}
         result = {"step": 10, "validation/loss": 1.0 / (i + 1)}
         table.update(f"r-{i:04d}", round="r", status="PENDING", max_train_steps=10)
-        callback.on_trial_start(0, [], trial)
+        events.started(trial)
         fake.advance(0.001)  # the next Tune event a millisecond later
         for r in (result, summary):
-            callback.on_trial_result(0, [], trial, r)
+            events.result(trial, r)
             fake.advance(0.001)
-        callback.on_trial_complete(0, [], trial)
+        events.complete(trial)
         fake.advance(0.001)
     capsys.readouterr()  # the progress lines
     # One write per trial event would rewrite 1 + 2 + ... + n rows (about n^2 / 2 = 2,000,000).

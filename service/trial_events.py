@@ -1,0 +1,86 @@
+"""The coordinator's side of Tune's trial events: the trial table's rows, progress lines in the
+job log, the study's Ray metrics and the MLflow mirror. Tune runs in another process
+(`service.tune_run`), whose callback sends each event here, one at a time and in order."""
+
+from __future__ import annotations
+
+import math
+
+from service.analysis.input_bound import INPUT_ROW_FIELDS
+from service.analysis.verdicts import best_step_position
+from service.observe import StudyObservers
+from service.progress import ProgressLimiter, progress_line
+from service.tracking import TrialTable
+
+# A trial whose row has one of these is over; a rerun of the study does not start it again.
+DONE = ("FINISHED", "DIVERGED")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
+
+
+class TrialEvents:
+    """`trial` is the trial's plan as Tune got it (`trial_name`, `max_train_steps`, ...)."""
+
+    def __init__(self, table: TrialTable, observers: StudyObservers | None, metric: str):
+        self.table, self.observers, self.metric = table, observers, metric
+        self.mirror = observers.mirror if observers else None
+        self.limiter = observers.limiter if observers else ProgressLimiter(0)
+
+    def started(self, trial: dict) -> None:
+        self.table.update(trial["trial_name"], status="RUNNING")
+        self.table.save_soon()  # and the study's index row (the table's on_save)
+        if self.mirror:
+            self.mirror.trial_started(trial)
+
+    def result(self, trial: dict, result: dict) -> None:
+        if result.get("summary"):
+            self._summary(trial["trial_name"], result)
+            return
+        name, step, total = trial["trial_name"], result.get("step"), trial["max_train_steps"]
+        if self.observers:
+            self.observers.metrics.on_report(name, result, self.metric)
+        if self.mirror:
+            self.mirror.report(name, result)
+        self.table.update(name, status="RUNNING", step=step, metric=result.get(self.metric))
+        if self.limiter.should_print(name, step, total):
+            print(progress_line(name, result, total, self.metric), flush=True)
+
+    def _summary(self, name: str, result: dict) -> None:
+        status = {"diverged": "DIVERGED"}.get(result.get("status"), "FINISHED")
+        row = self.table.update(
+            name,
+            status=status,
+            step=result.get("last_step"),
+            best_metric=result.get(self.metric),
+            best_step=result.get("best_step"),
+            best_checkpoint=result.get("best_checkpoint"),
+            diverged_at_step=result.get("diverged_at_step"),
+            **{k: result.get(k) for k in INPUT_ROW_FIELDS},
+        )
+        if status == "FINISHED" and row.get("best_step") is not None:
+            verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
+            self.table.update(name, step_verdict=verdict.message if verdict.is_warning else "ok")
+        print(
+            f"[{name}] {status.lower()}: best {self.metric}={_fmt(row.get('best_metric'))} "
+            f"at step {row.get('best_step')}",
+            flush=True,
+        )
+        self._done(name, row)
+
+    def complete(self, trial: dict) -> None:
+        self.table.save_soon()
+
+    def error(self, trial: dict, error: str) -> None:
+        name = trial["trial_name"]
+        row = self.table.update(name, status="FAILED", error=error)
+        self.table.save_soon()
+        self._done(name, row)
+        print(f"[{name}] FAILED (see {error})", flush=True)
+
+    def _done(self, name: str, row: dict) -> None:
+        if self.observers:
+            self.observers.metrics.on_trial_done(name)
+        if self.mirror:
+            self.mirror.trial_done(name, row)

@@ -1,0 +1,111 @@
+"""One Ray Tune run of a round's trials, in a Ray actor of its own that ends with the run.
+
+Tune's driver loop leaves memory behind in the process that runs it: freed, but kept by the
+allocators (glibc's arenas, Python's and Arrow's), ~40-70 KB a trial, while the live objects
+stay flat (docs/scale.md). Run in the coordinator, which lasts the whole study, that grew with
+the study; run here, it goes when the run ends. The callback sends each trial event to the
+coordinator (`Coordinator.trial_event`) and waits for it, so events arrive in order and the
+trial table holds every one of them when the run returns."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray import tune
+from ray.tune.logger import JsonLoggerCallback
+
+from service import storage
+from service.spec import Study
+
+# A Ray Train trial's Tune trial only drives its worker group (whose workers reserve the real
+# CPUs): it reserves a token share so that it never blocks them. Concurrency is capped by
+# max_concurrent_trials instead.
+TRIAL_DRIVER_CPU = 0.01
+# Tune restarts a trial whose process died (a fast-path trial resumes from its latest
+# checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
+MAX_TRIAL_RESTARTS = 2
+
+
+class ProgressCallback(tune.Callback):
+    """Sends Tune's trial events to the coordinator. Holds only its handle: Tune pickles its
+    callbacks with the experiment state."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    def _send(self, kind: str, trial, *args) -> None:
+        ray.get(self.coordinator.trial_event.remote(kind, trial.config["trial"], *args))
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._send("started", trial)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self._send("result", trial, {k: v for k, v in result.items() if k != "config"})
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._send("complete", trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._send("error", trial, str(trial.error_file or "failed"))
+
+
+def is_fast_path(scaling) -> bool:
+    """Trials of one worker skip Ray Train and train in their Tune trial (`service.fast_path`);
+    several workers (or hosts) need its worker group."""
+    return scaling.world_size == 1
+
+
+def trial_resources(scaling) -> dict:
+    """What a Tune trial reserves: a fast-path trial its one worker's CPUs (and GPU)."""
+    if is_fast_path(scaling):
+        return {"cpu": scaling.cpus_per_worker, **({"gpu": 1} if scaling.use_gpu else {})}
+    return {"cpu": TRIAL_DRIVER_CPU}
+
+
+def tune_trial(config: dict, study: Study) -> None:
+    """The Tune trial function. The trainer (torch, the workload) is imported in the trial's
+    process only: a TuneRun process starts without it (~2 s of imports fewer per Tune run)."""
+    from service import launch
+
+    launch.tune_trial(config, study)
+
+
+def study_trainable(study: Study):
+    """The study's Tune trainable: `tune_trial` with the study bound, registered under the
+    study's own name. Tune looks trainables up by name in a registry shared by the whole Ray
+    job, so two studies started from one job under one name would run each other's trials
+    (with the other study's spec and storage)."""
+    trainable = tune.with_parameters(tune_trial, study=study)
+    trainable.__name__ = f"playbook-{study.name}"
+    return tune.with_resources(trainable, trial_resources(study.scaling))
+
+
+@ray.remote(num_cpus=0)
+class TuneRun:
+    def __init__(self):
+        # Not Tune's default CSV and TensorBoard logs per trial: the trial's metrics.jsonl and
+        # the trial table are its record, and Ray 2.60 keeps every trial's TensorBoard writer
+        # (an open file, a lock, a thread) in the process after the trial ends.
+        os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
+
+    def fit(self, study: Study, name: str, configs: list[dict], concurrency: int, coordinator) -> None:
+        fs, tune_path = storage.ray_storage(storage.join(study.study_uri, "tune"))
+        tune.Tuner(
+            study_trainable(study),
+            param_space={"trial": tune.grid_search(configs)},
+            # A trial's process (and its imports: torch, the workload) serves the run's next
+            # trial instead of a new actor per trial. Each trial sets its own seeds, threads and
+            # state, so what it computes does not depend on the process it lands in.
+            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, reuse_actors=True),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=tune_path,
+                storage_filesystem=fs,
+                verbose=0,
+                failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
+                # Tune's result.json per trial (what its ResultGrid reads at the run's end); no
+                # CSV or TensorBoard logs (see __init__).
+                callbacks=[ProgressCallback(coordinator), JsonLoggerCallback()],
+            ),
+        ).fit()
