@@ -36,7 +36,7 @@ GOALS = {
     "tune_memory": (
         "<=",
         0.1,
-        "coordinator memory per trial (Ray Tune's) with a round split into Tune runs / as one run",
+        "Tune driver memory per trial (a TuneRun process's) with a round split into Tune runs / as one run",
     ),
     # No goal in issue 11: "info" figures always pass; their numbers are in raw.
     "cluster": (

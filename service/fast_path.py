@@ -6,7 +6,7 @@ TorchTrainer.fit's ~15 s here). What Ray Train did for it is kept:
 - checkpoints: written to the same `<study>/trials/<trial>/checkpoint_*` layout, the N best by
   the metric plus the latest (`trainer.checkpoint_store`), in the background when
   `training.async_checkpoint`;
-- failures: Tune restarts the trial (the coordinator's `FailureConfig`), and the restarted
+- failures: Tune restarts the trial (`TuneRun`'s `FailureConfig`), and the restarted
   trial resumes from its latest complete checkpoint on storage, which also survives a
   restarted driver (Tune's own `get_checkpoint` would keep a second copy under tune/).
 """

@@ -6,7 +6,7 @@ commit (and whether the tree was dirty), the stored study file and the trial's f
 mlflow is imported here only, and this module only when a study asks for the mirror, so the
 service has no MLflow dependency unless it is used (`pip install mlflow-skinny` is enough).
 The mirror uses `MlflowClient` with explicit run ids (no global "active run"), because the
-coordinator's Tune callbacks may run on several threads.
+coordinator's trial events may arrive on several threads.
 """
 
 from __future__ import annotations
