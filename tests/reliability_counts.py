@@ -12,8 +12,8 @@ FAULT_TESTS = {
     "training worker SIGKILLed mid-run": "tests/test_fault_worker_kill.py",
     "single-worker (fast path) trial process SIGKILLed mid-run": "tests/test_fault_trial_kill.py",
     "host removed from a 2-host trial, replacement added": "tests/test_fault_node_removed.py",
-    "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; "
-    "a torn checkpoint on Ray storage": "tests/test_fault_driver_kill.py",
+    "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; the "
+    "round's Tune run process SIGKILLed; a torn checkpoint on Ray storage": "tests/test_fault_driver_kill.py",
     "crash while a checkpoint is written / copied": "tests/test_fault_checkpoint_commit.py",
     "storage errors (transient, persistent, permission denied, gcsfs 403/5xx, GCS emulator down "
     "mid-write)": "tests/test_fault_storage.py",
