@@ -63,17 +63,27 @@ class Coordinator:
         self.observers.metrics.start_republishing()
         self.state = "starting"
         self.current_round: str | None = None
+        self.spare_runner = None  # a started TuneRun for the next Tune run
 
     def run(self) -> list[dict]:
+        # The first round's TuneRun starts (its process and imports) while the study is set up.
+        self.spare_runner = TuneRun.remote()
+        try:
+            return self._run()
+        finally:
+            if self.spare_runner is not None:
+                ray.kill(self.spare_runner)
+
+    def _run(self) -> list[dict]:
         storage.write_bytes_atomic(
             storage.join(self.study.study_uri, "study.yaml"), spec.dump_yaml(self.study).encode()
         )
         summaries = []
         self.observers.rows_changed(self.table.snapshot())
-        for rnd in self.study.rounds:
+        for i, rnd in enumerate(self.study.rounds):
             self.current_round, self.state = rnd.name, "running"
             try:
-                self._run_round(rnd)
+                self._run_round(rnd, last=i + 1 == len(self.study.rounds))
             except BaseException:
                 self._write_rows(state="stopped")
                 raise
@@ -92,7 +102,7 @@ class Coordinator:
         self.table.save()
         self.observers.rows_changed(self.table.snapshot(), state=state)
 
-    def _run_round(self, rnd: Round) -> None:
+    def _run_round(self, rnd: Round, last: bool) -> None:
         configs = plan_round(self.study, rnd, self.table.snapshot())
         for c in configs:
             if c["trial_name"] not in self.table.rows:
@@ -127,47 +137,45 @@ class Coordinator:
             + (f", in {runs} Tune runs of up to {size}" if runs > 1 else ""),
             flush=True,
         )
-        self._tune_runs(rnd.name, [todo[i : i + size] for i in range(0, len(todo), size)], concurrency)
+        self._tune_runs(rnd.name, [todo[i : i + size] for i in range(0, len(todo), size)], concurrency, last)
 
-    def _tune_runs(self, name: str, runs: list[list[dict]], concurrency: int) -> None:
+    def _tune_runs(self, name: str, runs: list[list[dict]], concurrency: int, last_round: bool) -> None:
         """Consecutive Ray Tune runs over these trial configs, each in a `TuneRun` actor that
-        ends with it (what Tune's driver loop leaves behind goes with its process); the next
-        one starts (its process and imports, ~5-10 s) while this one runs. Their trial events
-        come back through `trial_event`: the trial table holds what the study keeps."""
-        runner, following = TuneRun.remote(), None
-        try:
-            for i, configs in enumerate(runs):
-                following = TuneRun.remote() if i + 1 < len(runs) else None
-                runner = self._fit(runner, name, configs, concurrency)
-                ray.kill(runner)
-                runner, following = following, None
-        finally:
-            for r in (runner, following):
-                if r is not None:
-                    ray.kill(r)
+        ends with it (what Tune's driver loop leaves behind goes with its process). Their trial
+        events come back through `trial_event`: the trial table holds what the study keeps."""
+        for i, configs in enumerate(runs):
+            runner = self.spare_runner or TuneRun.remote()
+            # The next run's TuneRun starts (~2 s of imports, Tune's set-up) while this one runs.
+            self.spare_runner = TuneRun.remote() if i + 1 < len(runs) or not last_round else None
+            self._fit(runner, name, configs, concurrency)
 
-    def _fit(self, runner, name: str, configs: list[dict], concurrency: int):
-        """One Tune run on `runner`. A TuneRun whose process dies (killed, out of memory, its
-        node lost) takes its trials' processes with it; a new one runs the trials not done
-        yet, which resume from their checkpoints, up to MAX_TUNE_RUN_RESTARTS times. Returns
-        the runner that finished the run."""
+    def _fit(self, runner, name: str, configs: list[dict], concurrency: int) -> None:
+        """One Tune run on `runner`, which is killed when it ends. A TuneRun whose process dies
+        (killed, out of memory, its node lost) takes its trials' processes with it; a new one
+        runs the trials not done yet, which resume from their checkpoints, up to
+        MAX_TUNE_RUN_RESTARTS times."""
         me = ray.get_runtime_context().current_actor
         restarts = 0
-        while True:
-            try:
-                ray.get(runner.fit.remote(self.study, name, configs, concurrency, me))
-                return runner
-            except ray.exceptions.RayActorError as e:
-                restarts += 1
-                if restarts > MAX_TUNE_RUN_RESTARTS:
-                    raise
-                configs = [c for c in configs if self.table.rows[c["trial_name"]].get("status") not in DONE]
-                print(
-                    f"round {name}: its Tune run's process died ({type(e).__name__}); starting "
-                    f"{len(configs)} trials not done again, from their checkpoints",
-                    flush=True,
-                )
-                runner = TuneRun.remote()
+        try:
+            while True:
+                try:
+                    ray.get(runner.fit.remote(self.study, name, configs, concurrency, me))
+                    return
+                except ray.exceptions.RayActorError as e:
+                    restarts += 1
+                    if restarts > MAX_TUNE_RUN_RESTARTS:
+                        raise
+                    configs = [
+                        c for c in configs if self.table.rows[c["trial_name"]].get("status") not in DONE
+                    ]
+                    print(
+                        f"round {name}: its Tune run's process died ({type(e).__name__}); starting "
+                        f"{len(configs)} trials not done again, from their checkpoints",
+                        flush=True,
+                    )
+                    runner = TuneRun.remote()
+        finally:
+            ray.kill(runner)
 
     def trial_event(self, kind: str, trial: dict, *args) -> None:
         """A Tune trial event from the running `TuneRun` (started, result, complete, error)."""
