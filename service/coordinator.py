@@ -48,6 +48,24 @@ def return_large_frees_to_the_os() -> None:
         pass
 
 
+def remove_placement_groups_of(actor_id: bytes) -> int:
+    """Remove the placement groups that an actor created and that are still there. In Ray 2.60
+    a placement group made by a non-detached actor lasts until its creator actor *and* its job
+    are dead, so the trials' groups of a TuneRun that died would hold their CPUs for the rest
+    of the job (and starve the run started in its place)."""
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed = 0
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = PlacementGroupTableData.FromString(raw)
+        if pg.creator_actor_id == actor_id and pg.state != PlacementGroupTableData.REMOVED:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            removed += 1
+    return removed
+
+
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Coordinator:
     def __init__(self, study: Study):
@@ -173,9 +191,11 @@ class Coordinator:
                         f"{len(configs)} trials not done again, from their checkpoints",
                         flush=True,
                     )
+                    remove_placement_groups_of(runner._actor_id.binary())
                     runner = TuneRun.remote()
         finally:
             ray.kill(runner)
+            remove_placement_groups_of(runner._actor_id.binary())
 
     def trial_event(self, kind: str, trial: dict, *args) -> None:
         """A Tune trial event from the running `TuneRun` (started, result, complete, error)."""

@@ -1,7 +1,7 @@
 """One Ray Tune run of a round's trials, in a Ray actor of its own that ends with the run.
 
 Tune's driver loop leaves memory behind in the process that runs it: freed, but kept by the
-allocators (glibc's arenas, Python's and Arrow's), ~40-70 KB a trial, while the live objects
+allocators (glibc's arenas, Python's and Arrow's), ~35-75 KB a trial, while the live objects
 stay flat (docs/scale.md). Run in the coordinator, which lasts the whole study, that grew with
 the study; run here, it goes when the run ends. The callback sends each trial event to the
 coordinator (`Coordinator.trial_event`) and waits for it, so events arrive in order and the

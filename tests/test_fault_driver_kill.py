@@ -252,12 +252,27 @@ def tune_run_killed(baseline, digits_dir, tmp_path_factory):
         time.sleep(0.1)
     thread.join(timeout=600)
     assert at_kill is not None, "the Tune run was never killed mid-study"
-    return study, at_kill, out.get("rows")
+    return study, at_kill, out.get("rows"), free_cpus_after_study()
+
+
+def free_cpus_after_study() -> float:
+    """The session cluster's free CPUs once the study is over (Ray frees resources a moment
+    after a placement group is removed): all of them, unless a group was left behind."""
+    import ray
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.time() < deadline:
+        time.sleep(0.5)
+    return ray.available_resources().get("CPU", 0)
 
 
 def test_a_killed_tune_run_is_started_again_and_ends_as_the_uninterrupted_run(tune_run_killed, baseline):
-    study, at_kill, rows = tune_run_killed
+    import ray
+
+    study, at_kill, rows, free_cpus = tune_run_killed
     assert at_kill["logged"] < STEPS  # killed mid-trial
+    # The killed run's trial placement group (which Ray keeps until the job ends) was removed.
+    assert free_cpus == ray.cluster_resources()["CPU"]
     assert rows is not None, "run_study did not return"
     assert sorted(r["trial_name"] for r in rows) == TRIALS  # each exactly once
     assert sorted(r["trial_name"] for r in stored_rows(study.study_uri)) == TRIALS
