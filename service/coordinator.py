@@ -138,7 +138,7 @@ class Coordinator:
         # run that trial again. Trials not done are started anew and resume from their own
         # checkpoints on storage (a Train run is named after its trial; the fast path reads the
         # trial folder), so restoring Tune's experiment adds nothing.
-        todo = [c for c in configs if self.table.rows[c["trial_name"]].get("status") not in DONE]
+        todo = self._not_done(configs)
         if len(todo) < len(configs):
             print(
                 f"round {rnd.name}: resuming from {self.study.study_uri}: "
@@ -183,9 +183,7 @@ class Coordinator:
                     restarts += 1
                     if restarts > MAX_TUNE_RUN_RESTARTS:
                         raise
-                    configs = [
-                        c for c in configs if self.table.rows[c["trial_name"]].get("status") not in DONE
-                    ]
+                    configs = self._not_done(configs)
                     print(
                         f"round {name}: its Tune run's process died ({type(e).__name__}); starting "
                         f"{len(configs)} trials not done again, from their checkpoints",
@@ -196,6 +194,10 @@ class Coordinator:
         finally:
             ray.kill(runner)
             remove_placement_groups_of(runner._actor_id.binary())
+
+    def _not_done(self, configs: list[dict]) -> list[dict]:
+        """The trial configs whose rows are not over (finished or diverged) in the table."""
+        return [c for c in configs if self.table.rows[c["trial_name"]].get("status") not in DONE]
 
     def trial_event(self, kind: str, trial: dict, *args) -> None:
         """A Tune trial event from the running `TuneRun` (started, result, complete, error)."""
