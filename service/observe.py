@@ -7,9 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service import study_index
+from service.coalesce import Coalesced
 from service.progress import ProgressLimiter
 from service.spec import Study
 from service.study_metrics import StudyMetrics
+
+
+# A running study recompiles its storage root's study table at most this often (and when it
+# ends): a compile reads every study's index object, so it costs O(studies in the root).
+COMPILE_MIN_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -30,7 +36,20 @@ class StudyObservers:
             mirror = MlflowMirror(uri, study)
         return cls(study, StudyMetrics(study.name, study.training.mode), mirror=mirror)
 
+    def __post_init__(self) -> None:
+        self.compiles = Coalesced(
+            lambda: study_index.compile_table(self.study.storage), min_interval_s=COMPILE_MIN_INTERVAL_S
+        )
+        self._provenance: dict | None = None
+
     def rows_changed(self, rows: list[dict], state: str = "running") -> None:
-        """A trial changed state: counts to the metrics, the study's row to the index."""
+        """A trial changed state: counts to the metrics, the study's row to its index object,
+        and the root's table recompiled (coalesced while the study runs; at once at its end)."""
         self.metrics.on_rows(rows)
-        study_index.record_study(self.study, rows, state)
+        if self._provenance is None:  # written by `playbook run` before the study starts
+            self._provenance = study_index.read_provenance(self.study.study_uri)
+        study_index.record_study(self.study, rows, state, self._provenance)
+        if state == "running":
+            self.compiles.request()
+        else:
+            self.compiles.flush()

@@ -5,9 +5,12 @@ Several studies may share one storage root and write at the same time, on a loca
 an object store, where there is no file lock and no atomic append. So no process ever edits the
 table: each study owns one small object, `<storage>/_index/<study>.json`, which it alone
 rewrites (atomically: rename on a local disk, a single PUT on an object store). The table is
-compiled from every index object on each write and each read. A compiler re-lists the index
-after writing the table and compiles again if it changed meanwhile, so the last table written
-holds every study whose index object was written before it (see `compile_table`).
+compiled from every index object on each read and, by a running study, at most every
+`observe.COMPILE_MIN_INTERVAL_S` (a compile reads every study's object, so its cost grows with
+the studies in the root; a study's own object is written at each change of its trial table). A
+compiler re-lists the index after writing the table and compiles again if it changed meanwhile,
+so the last table written holds every study whose index object was written before it (see
+`compile_table`).
 """
 
 from __future__ import annotations
@@ -95,10 +98,15 @@ def record(storage_root: str, row: dict) -> list[dict]:
     return compile_table(storage_root)
 
 
-def record_study(study, trial_rows: list[dict], state: str) -> list[dict]:
-    """The coordinator's call: this study's row from its trial rows and provenance.json."""
-    prov_uri = storage.join(study.study_uri, "provenance.json")
-    provenance = json.loads(storage.read_bytes(prov_uri)) if storage.exists(prov_uri) else None
+def read_provenance(study_uri: str) -> dict | None:
+    """The study's provenance record (`provenance.json`, written when it was submitted)."""
+    uri = storage.join(study_uri, "provenance.json")
+    return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None
+
+
+def record_study(study, trial_rows: list[dict], state: str, provenance: dict | None) -> None:
+    """The coordinator's call: this study's row, from its trial rows and provenance record, to
+    its index object (one PUT; the root's table is compiled apart from this, see the top)."""
     row = study_row(
         study.name,
         study.study_uri,
@@ -109,7 +117,7 @@ def record_study(study, trial_rows: list[dict], state: str) -> list[dict]:
         provenance,
         state,
     )
-    return record(study.storage, row)
+    storage.write_json(index_uri(study.storage, row["study"]), row)
 
 
 def read_index(storage_root: str) -> list[dict]:
@@ -118,13 +126,12 @@ def read_index(storage_root: str) -> list[dict]:
     fs.invalidate_cache(path)  # object-store listings are cached by fsspec; we need a fresh one
     if not fs.exists(path):
         return []
-    rows = []
-    for p in sorted(fs.ls(path, detail=False)):
-        if p.endswith(".json"):
-            # One whole-object GET: `open` + read would take the size from one generation of
-            # the object and the bytes from the next when another process replaces it between.
-            rows.append(json.loads(fs.cat_file(p)))
-    return sorted(rows, key=lambda r: r["study"])
+    paths = [p for p in fs.ls(path, detail=False) if p.endswith(".json")]
+    # Whole-object GETs (`open` + read would take the size from one generation of an object and
+    # the bytes from the next when another process replaces it between), concurrent on an
+    # object store (fsspec's batched `cat`); an object deleted since the listing is left out.
+    blobs = fs.cat(paths, on_error="omit") if paths else {}
+    return sorted((json.loads(b) for b in blobs.values()), key=lambda r: r["study"])
 
 
 def compile_table(storage_root: str) -> list[dict]:

@@ -201,3 +201,38 @@ def test_two_real_studies_at_once_from_one_driver(ray_cluster, digits_dir, tmp_p
         assert row["trials"] == n and row["trials_finished"] == n
         assert row["best_metric"] == min(t["best_metric"] for t in trials)
         assert row["state"] == "finished"
+
+
+def test_a_running_study_writes_its_own_row_each_time_and_compiles_the_root_coalesced(
+    tmp_path, digits_dir, monkeypatch
+):
+    """A study's trial-table changes each write its own index object (one PUT), but the root's
+    table -- whose compile reads every study's object, O(studies in the root) -- is compiled at
+    most every COMPILE_MIN_INTERVAL_S while it runs, and at once when it ends."""
+    from service import observe
+    from tests.conftest import make_study
+
+    root = tmp_path / "root"
+    for i in range(40):  # other studies in the same root
+        storage.write_json(study_index.index_uri(str(root), f"other-{i:02d}"), {"study": f"other-{i:02d}"})
+    study = make_study(digits_dir, root, name="mine")
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    monkeypatch.setenv(storage.AUDIT_ENV, str(audit))
+    observers = observe.StudyObservers.for_study(study)
+    rows = []
+    for i in range(30):
+        rows.append({"trial_name": f"t{i}", "status": "FINISHED", "best_metric": 1.0 / (i + 1)})
+        observers.rows_changed(list(rows))
+        own = json.loads(storage.read_bytes(study_index.index_uri(str(root), "mine")))
+        assert (own["trials"], own["best_trial"], own["state"]) == (i + 1, f"t{i}", "running")
+    written = [line.strip() for f in audit.iterdir() for line in open(f)]
+    assert written.count(str(root / "studies.parquet")) == 1  # the first change; the rest waits
+    table = {r["study"]: r for r in pq.read_table(root / "studies.parquet").to_pylist()}
+    assert len(table) == 41 and table["mine"]["trials"] == 1
+
+    observers.rows_changed(list(rows), state="finished")
+    table = {r["study"]: r for r in pq.read_table(root / "studies.parquet").to_pylist()}
+    assert len(table) == 41
+    assert (table["mine"]["trials"], table["mine"]["state"], table["mine"]["best_trial"]) == (30, "finished", "t29")
+    observers.metrics.stop()
