@@ -12,7 +12,6 @@ from service.progress import ProgressLimiter
 from service.spec import Study
 from service.study_metrics import StudyMetrics
 
-
 # A running study recompiles its storage root's study table at most this often (and when it
 # ends): a compile reads every study's index object, so it costs O(studies in the root).
 COMPILE_MIN_INTERVAL_S = 10.0

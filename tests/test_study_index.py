@@ -234,5 +234,6 @@ def test_a_running_study_writes_its_own_row_each_time_and_compiles_the_root_coal
     observers.rows_changed(list(rows), state="finished")
     table = {r["study"]: r for r in pq.read_table(root / "studies.parquet").to_pylist()}
     assert len(table) == 41
-    assert (table["mine"]["trials"], table["mine"]["state"], table["mine"]["best_trial"]) == (30, "finished", "t29")
+    mine = table["mine"]
+    assert (mine["trials"], mine["state"], mine["best_trial"]) == (30, "finished", "t29")
     observers.metrics.stop()
