@@ -142,6 +142,47 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
         raise StorageError(f"{uri}: cannot write ({describe(e)})") from None
 
 
+COMPOSE_MIN_BYTES = 256 * 1024
+"""An object store appends by composing [object, new part] into the object: 3 requests (PUT the
+part, compose, DELETE the part) instead of 1 PUT, worth it once the object is this large."""
+
+
+def append_bytes(uri: str, data: bytes, size: int) -> bool:
+    """Append `data` to a file of `size` bytes written by this process. True when appended;
+    False where appending is not cheaper than a whole write: the caller rewrites it whole.
+
+    A local file takes one `write` on an O_APPEND descriptor (a reader sees whole lines, or
+    nothing new); an object store with compose (gcsfs' `merge`: GCS composes its objects,
+    "useful for making appends to an existing object") one compose once it holds
+    COMPOSE_MIN_BYTES. Not retried: a failed append may have half happened, so the caller
+    rewrites the whole file instead. Raises StorageError."""
+    fs, path = split(uri)
+    try:
+        if isinstance(fs, LocalFileSystem):
+            _audit(uri)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.EIO, "short append")
+            finally:
+                os.close(fd)
+            return True
+        if not hasattr(fs, "merge") or size < COMPOSE_MIN_BYTES:
+            return False
+        _audit(uri)
+        part = f"{path}.part-{uuid.uuid4().hex[:8]}"
+        with fs.open(part, "wb") as f:
+            f.write(data)
+        try:
+            fs.merge(path, [path, part])
+        finally:
+            fs.rm_file(part)
+        fs.invalidate_cache(path)
+        return True
+    except storage_errors() as e:
+        raise StorageError(f"{uri}: cannot append ({describe(e)})") from None
+
+
 def _write_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     if not isinstance(fs, LocalFileSystem):  # object stores: a single PUT is atomic

@@ -6,7 +6,6 @@ Plain PyTorch (torch.distributed when initialised); Ray is reached only through 
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
@@ -34,6 +33,7 @@ from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
+from service.trainer.metrics_log import MetricsLog
 from service.trainer.profiling import StepProfiler
 from service.trainer.rank0 import Rank0
 from service.trial import TrialPlan, best_row, worst
@@ -182,6 +182,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
                 flush=True,
             )
     step, history = state.step, list(state.history)
+    metrics_log = MetricsLog(plan.metrics_uri)  # its first write replaces the log whole
     records = topology_record.gather(
         topology_record.rank_record(
             topo,
@@ -258,7 +259,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
                 print, f"[{plan.trial_name}] diverged: non-finite loss at step {diverged_at}", flush=True
             )
             history.append(row)
-            rank0.run(write_metrics_log, plan, history)
+            rank0.run(metrics_log.write, history)
             reporter.report(row, None)
             break
         sync_start = time.perf_counter()
@@ -283,12 +284,12 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         )
         if checkpointer is not None:
             rank0.run(checkpointer.save, state, report)
-            rank0.run(write_metrics_log, plan, history)
+            rank0.run(metrics_log.write, history)
             reporter.report(report, None)
         else:
             with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
                 saved = rank0.run(save_checkpoint, state, tmp, report)
-                rank0.run(write_metrics_log, plan, history)
+                rank0.run(metrics_log.write, history)
                 reporter.report(report, saved)
         loss_sum, loss_count, steps_in_interval = 0.0, 0, 0
         interval_start = time.perf_counter()
@@ -370,21 +371,6 @@ def input_fields(sums: list[float], unused: str) -> dict:
 def save_checkpoint(state: TrialState, directory: str, metrics: dict) -> str:
     checkpoint.save(state, directory, metrics)
     return directory
-
-
-def write_metrics_log(plan: TrialPlan, history: list[dict]) -> None:
-    """The per-evaluation metrics log, rewritten whole (it is a few rows per trial)."""
-    text = "".join(json.dumps(finite_or_none(r)) + "\n" for r in history)
-    storage.write_bytes_atomic(plan.metrics_uri, text.encode())
-
-
-def finite_or_none(v):
-    """Strict JSON has no NaN or Infinity: a non-finite number is logged as null."""
-    if isinstance(v, dict):
-        return {k: finite_or_none(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [finite_or_none(x) for x in v]
-    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def write_predictions(uri: str, rows: dict, split: str, step: int) -> None:

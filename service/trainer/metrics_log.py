@@ -1,0 +1,53 @@
+"""A trial's per-evaluation log, `<trial>/metrics.jsonl`: one JSON row per evaluation, written
+by rank 0 after each evaluation (and after the checkpoint of that step, so the log never lags
+the latest checkpoint).
+
+Written as it grows, so that a trial of E evaluations writes O(E) bytes, not O(E^2): the
+first write of a process (a fresh trial, or a resumed one, whose history comes from its
+checkpoint and replaces whatever an interrupted run logged past it) writes the whole history
+atomically; each later one appends the new rows (`storage.append_bytes`: a local append, or a
+compose on GCS once the log is large). Where a store cannot append, or an append fails, the
+whole log is rewritten as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from service import storage
+
+
+def finite_or_none(v):
+    """Strict JSON has no NaN or Infinity: a non-finite number is logged as null."""
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [finite_or_none(x) for x in v]
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def encode(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(finite_or_none(r)) + "\n" for r in rows).encode()
+
+
+class MetricsLog:
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.rows = 0  # rows of the history that this process wrote to the log
+        self.size = 0  # the log's bytes, as this process wrote them
+
+    def write(self, history: list[dict]) -> None:
+        """The log holds `history` after this (rows already written are not written again)."""
+        if 0 < self.rows <= len(history):
+            new = encode(history[self.rows :])
+            try:
+                appended = storage.append_bytes(self.uri, new, self.size)
+            except storage.StorageError:
+                appended = False  # it may have half happened: rewrite the whole log
+            if appended:
+                self.rows, self.size = len(history), self.size + len(new)
+                return
+        whole = encode(history)
+        storage.write_bytes_atomic(self.uri, whole)
+        self.rows, self.size = len(history), len(whole)
