@@ -34,7 +34,7 @@ import time
 import tracemalloc
 
 from bench.common import figure
-from service import observe, report, spec, study_index, tracking
+from service import observe, report, spec, storage, study_index, tracking
 from service.analysis.report_lines import round_verdicts
 from service.data.files import DataFile
 from service.data.sharding import train_shard
@@ -49,6 +49,7 @@ HOSTS = (2, 32, 1_024)
 WORKERS_PER_HOST = 8
 TRIALS = (10, 100, 1_000, 10_000)
 REPORTS_PER_TRIAL = 5
+INDEX_STUDIES = (10, 100, 1_000)  # studies sharing one storage root
 MEMORY_TRIALS = (100, 1_000, 10_000)
 MEMORY_REPORTS = (1, 10, 100, 1_000)  # at MEMORY_REPORTS_AT trials
 MEMORY_REPORTS_AT = 100
@@ -154,16 +155,17 @@ def sharding() -> dict:
 # ----------------------------------------------------------------------------- bookkeeping
 
 
-def record_study(study: spec.Study, reports: int, seed: int = 0) -> tracking.TrialTable:
+def record_study(study: spec.Study, reports: int, seed: int = 0) -> TrialEvents:
     """The coordinator's bookkeeping of a whole round, events back to back: plan the round,
     PENDING rows and a write (as `Coordinator._run_round`), then per trial the Tune events
     (start, `reports` evaluation reports, the summary, complete), then the final write. The
-    progress lines it prints go to /dev/null."""
+    progress lines it prints go to /dev/null. Returns the coordinator's per-study state: the
+    `TrialEvents`, with the trial table and the observers (progress limiter, metrics)."""
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         return _record_study(study, reports, seed)
 
 
-def _record_study(study: spec.Study, reports: int, seed: int) -> tracking.TrialTable:
+def _record_study(study: spec.Study, reports: int, seed: int) -> TrialEvents:
     rng = random.Random(seed)
     observers = observe.StudyObservers.for_study(study)
     table = tracking.TrialTable(
@@ -209,7 +211,8 @@ def _record_study(study: spec.Study, reports: int, seed: int) -> tracking.TrialT
         events.complete(trial)
     table.save()
     observers.rows_changed(table.snapshot(), state="finished")
-    return table
+    observers.metrics.stop()
+    return events
 
 
 def write_metrics_logs(study: spec.Study, rows: list[dict], seed: int = 0) -> None:
@@ -235,10 +238,10 @@ def bookkeeping_at(root: str, n: int) -> dict[str, float]:
     """Seconds of each bookkeeping step for a study of n trials."""
     study = make_study(os.path.join(root, f"n{n}"), f"scale-{n}", n)
     out = {"record_study": median_s(lambda: record_study(study, REPORTS_PER_TRIAL), n)}
-    table = record_study(study, REPORTS_PER_TRIAL)
+    table = record_study(study, REPORTS_PER_TRIAL).table
     rows = table.snapshot()
     out["table_write"] = median_s(table.save, n)
-    out["index_update"] = median_s(lambda: study_index.record_study(study, rows, "running"), n)
+    out["index_update"] = median_s(lambda: study_index.record_study(study, rows, "running", None), n)
     out["verdicts"] = median_s(lambda: round_verdicts(study, "explore", rows), n)
     # what `playbook report` reads: the stored study file, rows, verdicts and metrics logs
     with open(os.path.join(study.study_uri, "study.yaml"), "w") as f:
@@ -260,16 +263,36 @@ def bookkeeping(root: str) -> dict:
     curves["record_study"]["note"] = (
         f"a whole round's coordinator bookkeeping, {REPORTS_PER_TRIAL} reports per trial, events back to back"
     )
-    for k in ("table_write", "index_update"):
-        curves[k]["note"] = "one write at n rows; coalesced to <= 10% of the time and <= 1 per second"
+    curves["table_write"]["note"] = "one write at n rows; coalesced to <= 10% of the time and <= 1 per second"
+    curves["index_update"]["note"] = (
+        "the study's row from n trial rows to its index object, at each table write"
+    )
     curves["report_write"]["note"] = "build (5 plots, the trial table) + write of report.html"
     return curves
+
+
+def index_compile(root: str) -> dict:
+    """One compile of a storage root's study table (list `_index/`, read every study's object,
+    write studies.parquet and .csv, list again) against the studies in the root: O(studies),
+    which is why a running study compiles at most every `observe.COMPILE_MIN_INTERVAL_S`."""
+    times = []
+    for n in INDEX_STUDIES:
+        r = os.path.join(root, f"index-{n}")
+        for i in range(n):
+            name = f"study-{i:05d}"
+            rows = [{"trial_name": "t", "status": "FINISHED", "best_metric": random.random()}]
+            row = study_index.study_row(name, f"{r}/{name}", "", "loss", "min", rows, None, "running")
+            storage.write_json(study_index.index_uri(r, name), row)
+        times.append(median_s(lambda r=r: study_index.compile_table(r), n))
+    curve = fit(INDEX_STUDIES, times)
+    curve["note"] = "studies in the root, local disk; a running study compiles at most every 10 s"
+    return curve
 
 
 def _warm_up_report(root: str) -> None:
     """matplotlib's first figure pays for its imports and font cache: not a per-trial cost."""
     study = make_study(os.path.join(root, "warm"), "warm", 10)
-    rows = record_study(study, 2).snapshot()
+    rows = record_study(study, 2).table.snapshot()
     with open(os.path.join(study.study_uri, "study.yaml"), "w") as f:
         f.write(spec.dump_yaml(study))
     write_metrics_logs(study, rows)
@@ -280,16 +303,17 @@ def _warm_up_report(root: str) -> None:
 
 
 def held_bytes(root: str, trials: int, reports: int) -> int:
-    """Bytes still allocated after recording a round: the coordinator's per-study state."""
+    """Bytes still allocated after recording a round: the coordinator's per-study state (the
+    trial table, the progress limiter, the metrics' per-trial rates)."""
     study = make_study(os.path.join(root, f"mem-{trials}-{reports}"), f"mem-{trials}-{reports}", trials)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    table = record_study(study, reports)
+    state = record_study(study, reports)
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del table
+    del state
     return held
 
 
@@ -314,12 +338,14 @@ def run() -> dict:
             "planning_trials": planning(),
             "sharding": sharding(),
             "bookkeeping": bookkeeping(root),
+            "index_compile_by_studies": index_compile(root),
             "memory": memory(root),
         }
     linear = [
         curves["planning_trials"],
         *curves["sharding"]["by_files"].values(),
         *curves["bookkeeping"].values(),
+        curves["index_compile_by_studies"],
         curves["memory"]["by_trials"],
     ]
     worst = max(c["top_slope"] for c in linear)

@@ -137,8 +137,8 @@ def run() -> dict:
     import ray
     from ray import tune
 
-    from service.tune_run import study_trainable
     from service.data.builtin import write_digits
+    from service.tune_run import study_trainable
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -80,6 +80,7 @@ class TrialEvents:
         print(f"[{name}] FAILED (see {error})", flush=True)
 
     def _done(self, name: str, row: dict) -> None:
+        self.limiter.forget(name)  # nothing per trial stays behind in the coordinator but its row
         if self.observers:
             self.observers.metrics.on_trial_done(name)
         if self.mirror:

@@ -166,3 +166,53 @@ def test_the_deferred_write_runs_on_a_real_timer_thread():
     c.request()
     assert len(count) == 1
     assert done.wait(5.0)
+
+
+def held_beyond_rows(study, n: int) -> int:
+    """Bytes (tracemalloc) that the coordinator's event handling holds after recording n
+    trials, beyond its trial table: what `TrialEvents` and its observers (progress limiter,
+    metrics, study index, coalesced compiles) keep, measured as what deleting them frees."""
+    import contextlib
+    import gc
+    import io
+    import tracemalloc
+
+    from service import observe
+
+    tracemalloc.start()
+    observers = observe.StudyObservers.for_study(study)
+    table = tracking.TrialTable(study.study_uri, "validation/loss", "min", observers.rows_changed)
+    events = TrialEvents(table, observers, "validation/loss")
+    with contextlib.redirect_stdout(io.StringIO()):
+        for i in range(n):
+            trial = {"trial_name": f"explore-{i:05d}", "max_train_steps": 10}
+            table.update(trial["trial_name"], round="explore", status="PENDING", max_train_steps=10)
+            events.started(trial)
+            events.result(trial, {"step": 5, "validation/loss": 0.9, "steps_per_s": 50.0})
+            events.result(trial, {"step": 10, "validation/loss": 0.5, "steps_per_s": 50.0})
+            summary = {"summary": True, "status": "finished", "last_step": 10, "best_step": 10}
+            events.result(trial, {**summary, "validation/loss": 0.5, "best_checkpoint": f"/c/{i}"})
+            events.complete(trial)
+    table.save()
+    observers.compiles.flush()
+    observers.metrics.stop()
+    gc.collect()
+    with_events = tracemalloc.get_traced_memory()[0]
+    table.on_save = None
+    del events, observers
+    gc.collect()
+    held = with_events - tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(table.rows) == n
+    return held
+
+
+def test_the_coordinator_holds_nothing_per_trial_beyond_its_rows(tmp_path, digits_dir):
+    """Tune's events reach the coordinator through `TrialEvents`; once a trial is over,
+    nothing of it may stay there but its row (the issue's goal: memory flat per trial beyond
+    the rows). What the events' handlers hold is the same after 200 trials and after 1,200."""
+    from tests.conftest import make_study
+
+    study = make_study(digits_dir, tmp_path / "root", name="held")
+    small, large = held_beyond_rows(study, 200), held_beyond_rows(study, 1200)
+    assert large - small < 1000 * 8, (small, large)  # < 8 bytes per trial
