@@ -33,6 +33,11 @@ GOALS = {
         1.0,
         "planning at the top size (s): 100,000 trials' points, 100,000 files over 1,024 hosts",
     ),
+    "coordinator_memory": (
+        "<",
+        1.0,
+        "coordinator resident growth per trial beyond its rows (KB), second half of a 6,000-trial study",
+    ),
     "tune_memory": (
         "<=",
         0.1,

@@ -1,8 +1,10 @@
 """`make bench`: the benchmarks in turn, results to bench/results.json, then the tables.
 
-python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale tune_memory cluster)
+python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale tune_memory cluster
+                                          coordinator_memory)
 Without --only every suite runs (`make bench-cluster` is `--only cluster`: the 1,000-trial
-study and the 4-node cluster, ~2.5 minutes). Figures not measured in a run are kept from the
+study and the 4-node cluster, ~2.5 minutes; `coordinator_memory` runs a 6,000-trial study,
+~15 minutes). Figures not measured in a run are kept from the
 existing results.json; each figure records when it was measured.
 """
 
@@ -28,6 +30,7 @@ SUITES = {
     "scale": "bench.scale",
     "tune_memory": "bench.tune_memory",
     "cluster": "bench.cluster",
+    "coordinator_memory": "bench.coordinator_memory",
 }
 
 

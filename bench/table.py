@@ -50,6 +50,8 @@ def markdown(results: dict) -> str:
         lines += ["", *scale_lines(figures["scale"]["raw"])]
     if "cluster" in figures:
         lines += ["", *cluster_lines(figures["cluster"]["raw"])]
+    if "coordinator_memory" in figures:
+        lines += ["", *memory_lines(figures["coordinator_memory"]["raw"])]
     m = results.get("machine", {})
     lines.append("")
     lines.append(
@@ -112,6 +114,18 @@ def cluster_lines(raw: dict) -> list[str]:
         f"{_num(1e3 * m['reduce_s_per_eval'])} ms and BN sync {_num(1e3 * m['bn_sync_s_per_eval'])} ms "
         f"per eval ({_num(100 * m['guarantees_share_of_step'])}% of step time at eval every "
         f"{m['eval_every_steps']} steps).",
+    ]
+
+
+def memory_lines(raw: dict) -> list[str]:
+    """The coordinator's resident memory along a long study (`bench/coordinator_memory.py`)."""
+    at = ", ".join(f"{int(k):,}: {v}" for k, v in raw["rss_anon_mb_near_trials_done"].items())
+    return [
+        f"Coordinator memory (`coordinator_memory`): resident anonymous MB by trials done ({at}); "
+        f"growth {_num(raw['growth_per_trial_first_half_kb'])} KB per trial in the first half, "
+        f"{_num(raw['growth_per_trial_second_half_kb'])} KB in the second, where its rows grew "
+        f"{_num(raw['rows_growth_per_trial_kb'])} KB per trial ({_num(raw['rows_mb_at_end'])} MB "
+        f"of rows at the end).",
     ]
 
 

@@ -23,6 +23,7 @@ import time
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from service import storage
 
@@ -127,11 +128,24 @@ def read_index(storage_root: str) -> list[dict]:
     if not fs.exists(path):
         return []
     paths = [p for p in fs.ls(path, detail=False) if p.endswith(".json")]
-    # Whole-object GETs (`open` + read would take the size from one generation of an object and
-    # the bytes from the next when another process replaces it between), concurrent on an
-    # object store (fsspec's batched `cat`); an object deleted since the listing is left out.
-    blobs = fs.cat(paths, on_error="omit") if paths else {}
-    return sorted((json.loads(b) for b in blobs.values()), key=lambda r: r["study"])
+    return sorted((json.loads(b) for b in _cat_all(fs, paths)), key=lambda r: r["study"])
+
+
+def _cat_all(fs, paths: list[str]) -> list[bytes]:
+    """Each file's bytes in one whole-object GET (`open` + read would take the size from one
+    generation of an object and the bytes from the next when another process replaces it
+    between); a file deleted since the listing is left out. On an object store the GETs are
+    concurrent (fsspec's batched `cat`), unless a path has glob characters, which `cat` would
+    expand."""
+    if paths and not isinstance(fs, LocalFileSystem) and not any(set("*?[") & set(p) for p in paths):
+        return list(fs.cat(paths, on_error="omit").values())
+    out = []
+    for p in paths:
+        try:
+            out.append(fs.cat_file(p))
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def compile_table(storage_root: str) -> list[dict]:

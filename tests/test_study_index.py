@@ -237,3 +237,12 @@ def test_a_running_study_writes_its_own_row_each_time_and_compiles_the_root_coal
     mine = table["mine"]
     assert (mine["trials"], mine["state"], mine["best_trial"]) == (30, "finished", "t29")
     observers.metrics.stop()
+
+
+def test_a_root_whose_path_has_glob_characters_is_read_literally(tmp_path):
+    root = str(tmp_path / "team[1]*")
+    for name in ("a", "b"):
+        study_index.record(root, {"study": name, "state": "running"})
+    assert [r["study"] for r in study_index.read_index(root)] == ["a", "b"]
+    table = pq.read_table(os.path.join(root, "studies.parquet")).to_pylist()
+    assert [r["study"] for r in table] == ["a", "b"]
