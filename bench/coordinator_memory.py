@@ -4,11 +4,14 @@ against the number of trials; goal: flat per trial beyond the rows themselves").
 
 A quasi-random round of `TRIALS` tiny one-worker digits trials (the cluster bench's study,
 Tune runs of the default size) on a local 2-CPU cluster. Every `SAMPLE_S` the coordinator's
-resident anonymous memory (RssAnon, /proc) and the trials done (from the actor). The value is
-the least-squares growth per trial over the second half of the study minus what its trial rows
-grew by per trial there (their deep size, read from the actor at the half and at the end): ~0
-when the coordinator holds nothing per trial beyond its rows. The first half shows the
-allocators' warm-up (their high-water marks rise with the first few thousand trials).
+resident anonymous memory (RssAnon, /proc) and the trials done (from the actor). A sample
+taken during a rewrite of the trial table includes its transient buffers (up to ~15 MB at
+thousands of rows), so each bin of `BIN` trials is summed up by its lowest sample, the floor:
+what the process holds between rewrites. The value is the least-squares growth per trial of
+the floors over the second half of the study minus what its trial rows grew by per trial there
+(their deep size, read from the actor at the half and at the end): ~0 when the coordinator holds
+nothing per trial beyond its rows. The first half shows the allocators' warm-up (their
+high-water marks rise with the first couple of thousand trials).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from bench.common import figure
 
 TRIALS = 6000
 SAMPLE_S = 2.0
-CHECKPOINTS = (1000, 2000, 3000, 4000, 5000, 6000)
+BIN = 250
 
 
 def rss_anon_bytes(pid: int) -> int | None:
@@ -100,28 +103,31 @@ def measure(tmp: str) -> dict:
     finally:
         ray.shutdown()
     samples = [s for s in samples if s["rss"]]
-    second = [(s["done"], s["rss"]) for s in samples if s["done"] >= TRIALS // 2]
-    first = [(s["done"], s["rss"]) for s in samples if TRIALS // 10 <= s["done"] < TRIALS // 2]
+    floors = floor_by_bin(samples)
+    second = [(d, r) for d, r in floors if d >= TRIALS // 2]
+    first = [(d, r) for d, r in floors if TRIALS // 10 <= d < TRIALS // 2]
     (d0, r0), (d1, r1) = rows_at["half"], rows_at["end"]
-    rows_per_trial = (r1 - r0) / max(d1 - d0, 1)
-    growth = slope(second)
-    at = {}
-    for c in CHECKPOINTS:
-        near = [s["rss"] for s in samples if abs(s["done"] - c) <= 100]
-        if near:
-            at[str(c)] = round(statistics.median(near) / 2**20, 1)
     return {
         "trials": TRIALS,
         "trials_finished": sum(1 for r in rows if r.get("status") == "FINISHED"),
         "wall_s": round(samples[-1]["t"], 1) if samples else None,
         "samples": len(samples),
-        "rss_anon_mb_near_trials_done": at,
-        "rss_anon_first_sample_mb": round(samples[0]["rss"] / 2**20, 1) if samples else None,
+        "floor_rss_anon_mb_by_trials_done": {str(d): round(r / 2**20, 1) for d, r in floors},
+        "peak_rss_anon_mb": round(max(s["rss"] for s in samples) / 2**20, 1),
         "growth_per_trial_first_half_kb": round(slope(first) / 1024, 2),
-        "growth_per_trial_second_half_kb": round(growth / 1024, 2),
-        "rows_growth_per_trial_kb": round(rows_per_trial / 1024, 2),
+        "growth_per_trial_second_half_kb": round(slope(second) / 1024, 2),
+        "rows_growth_per_trial_kb": round((r1 - r0) / max(d1 - d0, 1) / 1024, 2),
         "rows_mb_at_end": round(r1 / 2**20, 2),
     }
+
+
+def floor_by_bin(samples: list[dict]) -> list[tuple[int, int]]:
+    """(bin's middle in trials done, its lowest resident sample) for each bin of BIN trials."""
+    bins: dict[int, int] = {}
+    for s in samples:
+        k = s["done"] // BIN
+        bins[k] = min(bins.get(k, s["rss"]), s["rss"])
+    return [(k * BIN + BIN // 2, r) for k, r in sorted(bins.items())]
 
 
 def run() -> dict:

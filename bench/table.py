@@ -119,9 +119,11 @@ def cluster_lines(raw: dict) -> list[str]:
 
 def memory_lines(raw: dict) -> list[str]:
     """The coordinator's resident memory along a long study (`bench/coordinator_memory.py`)."""
-    at = ", ".join(f"{int(k):,}: {v}" for k, v in raw["rss_anon_mb_near_trials_done"].items())
+    floors = raw["floor_rss_anon_mb_by_trials_done"]
+    at = ", ".join(f"{int(k):,}: {v}" for k, v in floors.items() if (int(k) + 125) % 1000 == 0)
     return [
-        f"Coordinator memory (`coordinator_memory`): resident anonymous MB by trials done ({at}); "
+        f"Coordinator memory (`coordinator_memory`): resident anonymous MB between table rewrites "
+        f"by trials done ({at}; peak {raw['peak_rss_anon_mb']}); "
         f"growth {_num(raw['growth_per_trial_first_half_kb'])} KB per trial in the first half, "
         f"{_num(raw['growth_per_trial_second_half_kb'])} KB in the second, where its rows grew "
         f"{_num(raw['rows_growth_per_trial_kb'])} KB per trial ({_num(raw['rows_mb_at_end'])} MB "

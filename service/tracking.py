@@ -88,11 +88,17 @@ class TrialTable:
         self.writes.request()
 
     def _write(self) -> None:
-        rows = self.snapshot()
+        # Column by column, from references to the rows' values taken under the lock: no copy
+        # of each row (a copy per row and write is O(rows) small objects per write, whose
+        # churn next to the rows' own updates left the coordinator's heap fragmented).
+        with self._lock:
+            rows = list(self.rows.values())
+            names = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
+            columns = {k: [r.get(k) for r in rows] for k in names}
         if not rows:
             return
-        names = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
-        table = pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
+        table = pa.table(columns)
+        del columns
         buf = io.BytesIO()
         pq.write_table(table, buf)
         storage.write_bytes_atomic(self.parquet_uri, buf.getvalue())
@@ -100,7 +106,7 @@ class TrialTable:
         pacsv.write_csv(table, csv)
         storage.write_bytes_atomic(storage.join(self.study_uri, "trials.csv"), csv.getvalue())
         if self.on_save:
-            self.on_save(rows)
+            self.on_save(rows)  # the live rows: read them, do not keep or change them
 
 
 def read_rows(study_uri: str) -> list[dict]:
