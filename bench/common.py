@@ -36,7 +36,7 @@ GOALS = {
     "coordinator_memory": (
         "<",
         1.0,
-        "coordinator resident growth per trial beyond its rows (KB), second half of a 6,000-trial study",
+        "coordinator resident growth per trial beyond its rows (KB), second half of a 15,000-trial study",
     ),
     "tune_memory": (
         "<=",

@@ -3,8 +3,8 @@
 python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale tune_memory cluster
                                           coordinator_memory)
 Without --only every suite runs (`make bench-cluster` is `--only cluster`: the 1,000-trial
-study and the 4-node cluster, ~2.5 minutes; `coordinator_memory` runs a 6,000-trial study,
-~15 minutes). Figures not measured in a run are kept from the
+study and the 4-node cluster, ~2.5 minutes; `coordinator_memory` runs a 15,000-trial study,
+~27 minutes). Figures not measured in a run are kept from the
 existing results.json; each figure records when it was measured.
 """
 

@@ -120,7 +120,7 @@ def cluster_lines(raw: dict) -> list[str]:
 def memory_lines(raw: dict) -> list[str]:
     """The coordinator's resident memory along a long study (`bench/coordinator_memory.py`)."""
     floors = raw["floor_rss_anon_mb_by_trials_done"]
-    at = ", ".join(f"{int(k):,}: {v}" for k, v in floors.items() if (int(k) + 125) % 1000 == 0)
+    at = ", ".join(f"{d:,}: {mb}" for d, mb in floors[3::4])
     return [
         f"Coordinator memory (`coordinator_memory`): resident anonymous MB between table rewrites "
         f"by trials done ({at}; peak {raw['peak_rss_anon_mb']}); "
