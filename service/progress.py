@@ -54,7 +54,8 @@ def format_duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
+    """A reported value for a log line: floats with 4 significant digits."""
     return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
 
 
@@ -65,9 +66,9 @@ def progress_line(trial_name: str, result: dict, max_steps: int, metric: str) ->
     pct = f" ({100 * step / max_steps:.0f}%)" if isinstance(step, int) and max_steps else ""
     best = ""
     if result.get("best_metric") is not None:
-        best = f" best={_fmt(result.get('best_metric'))} at {result.get('best_step')}"
+        best = f" best={fmt(result.get('best_metric'))} at {result.get('best_step')}"
     return (
-        f"[{trial_name}] step {step}/{max_steps}{pct} train/loss={_fmt(result.get('train/loss'))} "
-        f"{metric}={_fmt(result.get(metric))}{best} ({_fmt(rate)} steps/s, "
+        f"[{trial_name}] step {step}/{max_steps}{pct} train/loss={fmt(result.get('train/loss'))} "
+        f"{metric}={fmt(result.get(metric))}{best} ({fmt(rate)} steps/s, "
         f"ETA {format_duration(eta_s(step, max_steps, rate))})"
     )

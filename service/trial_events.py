@@ -4,20 +4,14 @@ job log, the study's Ray metrics and the MLflow mirror. Tune runs in another pro
 
 from __future__ import annotations
 
-import math
-
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
 from service.observe import StudyObservers
-from service.progress import ProgressLimiter, progress_line
+from service.progress import ProgressLimiter, fmt, progress_line
 from service.tracking import TrialTable
 
 # A trial whose row has one of these is over; a rerun of the study does not start it again.
 DONE = ("FINISHED", "DIVERGED")
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
 
 
 class TrialEvents:
@@ -63,7 +57,7 @@ class TrialEvents:
             verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
             self.table.update(name, step_verdict=verdict.message if verdict.is_warning else "ok")
         print(
-            f"[{name}] {status.lower()}: best {self.metric}={_fmt(row.get('best_metric'))} "
+            f"[{name}] {status.lower()}: best {self.metric}={fmt(row.get('best_metric'))} "
             f"at step {row.get('best_step')}",
             flush=True,
         )
