@@ -34,7 +34,7 @@ import time
 import tracemalloc
 
 from bench.common import figure
-from service import observe, report, spec, storage, study_index, tracking
+from service import observe, report, spec, study_index, tracking
 from service.analysis.report_lines import round_verdicts
 from service.data.files import DataFile
 from service.data.sharding import train_shard
@@ -282,7 +282,7 @@ def index_compile(root: str) -> dict:
             name = f"study-{i:05d}"
             rows = [{"trial_name": "t", "status": "FINISHED", "best_metric": random.random()}]
             row = study_index.study_row(name, f"{r}/{name}", "", "loss", "min", rows, None, "running")
-            storage.write_json(study_index.index_uri(r, name), row)
+            study_index.write_row(r, row)
         times.append(median_s(lambda r=r: study_index.compile_table(r), n))
     curve = fit(INDEX_STUDIES, times)
     curve["note"] = "studies in the root, local disk; a running study compiles at most every 10 s"

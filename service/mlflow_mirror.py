@@ -12,12 +12,11 @@ coordinator's trial events may arrive on several threads.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import threading
 
-from service import storage
+from service import provenance, storage
 from service.errors import SpecError
 from service.spec import Study
 
@@ -66,9 +65,8 @@ class MlflowMirror:
             "playbook.study": study.name,
             "playbook.study_file": storage.join(study.study_uri, "study.yaml"),
         }
-        prov_uri = storage.join(study.study_uri, "provenance.json")
-        if storage.exists(prov_uri):
-            prov = json.loads(storage.read_bytes(prov_uri))
+        prov = provenance.read(study.study_uri)
+        if prov:
             self.tags.update(
                 {
                     "mlflow.source.git.commit": prov.get("git_commit") or "",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service import study_index
+from service import provenance, study_index
 from service.coalesce import Coalesced
 from service.progress import ProgressLimiter
 from service.spec import Study
@@ -24,6 +24,8 @@ class StudyObservers:
     limiter: ProgressLimiter = field(default_factory=ProgressLimiter)
     mirror: object | None = None
     """An `mlflow_mirror.MlflowMirror` when `tracking.mlflow_uri` is set."""
+    provenance: dict | None = None
+    """The study's provenance record (written by `playbook run` before the study starts)."""
 
     @classmethod
     def for_study(cls, study: Study) -> StudyObservers:
@@ -33,21 +35,23 @@ class StudyObservers:
             from service.mlflow_mirror import MlflowMirror  # mlflow is imported only when used
 
             mirror = MlflowMirror(uri, study)
-        return cls(study, StudyMetrics(study.name, study.training.mode), mirror=mirror)
+        return cls(
+            study,
+            StudyMetrics(study.name, study.training.mode),
+            mirror=mirror,
+            provenance=provenance.read(study.study_uri),
+        )
 
     def __post_init__(self) -> None:
         self.compiles = Coalesced(
             lambda: study_index.compile_table(self.study.storage), min_interval_s=COMPILE_MIN_INTERVAL_S
         )
-        self._provenance: dict | None = None
 
     def rows_changed(self, rows: list[dict], state: str = "running") -> None:
         """A trial changed state: counts to the metrics, the study's row to its index object,
         and the root's table recompiled (coalesced while the study runs; at once at its end)."""
         self.metrics.on_rows(rows)
-        if self._provenance is None:  # written by `playbook run` before the study starts
-            self._provenance = study_index.read_provenance(self.study.study_uri)
-        study_index.record_study(self.study, rows, state, self._provenance)
+        study_index.record_study(self.study, rows, state, self.provenance)
         if state == "running":
             self.compiles.request()
         else:

@@ -10,6 +10,7 @@ trains it again from scratch.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 from service import storage
 
 DIFF_FILE = "uncommitted.diff"
+RECORD_FILE = "provenance.json"
 
 
 def _git(cwd: str, *args: str, env: dict | None = None) -> bytes | None:
@@ -56,5 +58,11 @@ def capture(cwd: str, study_uri: str) -> dict:
     }
     if diff:
         storage.write_bytes_atomic(record["uncommitted_diff"], diff)
-    storage.write_json(storage.join(study_uri, "provenance.json"), record)
+    storage.write_json(storage.join(study_uri, RECORD_FILE), record)
     return record
+
+
+def read(study_uri: str) -> dict | None:
+    """The study's provenance record (written by `capture` when it was submitted), if any."""
+    uri = storage.join(study_uri, RECORD_FILE)
+    return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None

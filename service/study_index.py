@@ -93,21 +93,20 @@ def study_row(
     }
 
 
+def write_row(storage_root: str, row: dict) -> None:
+    """Write this study's index object (one PUT), leaving the root's table as it is."""
+    storage.write_json(index_uri(storage_root, row["study"]), row)
+
+
 def record(storage_root: str, row: dict) -> list[dict]:
     """Write this study's index object, then recompile the root's table. Returns its rows."""
-    storage.write_json(index_uri(storage_root, row["study"]), row)
+    write_row(storage_root, row)
     return compile_table(storage_root)
-
-
-def read_provenance(study_uri: str) -> dict | None:
-    """The study's provenance record (`provenance.json`, written when it was submitted)."""
-    uri = storage.join(study_uri, "provenance.json")
-    return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None
 
 
 def record_study(study, trial_rows: list[dict], state: str, provenance: dict | None) -> None:
     """The coordinator's call: this study's row, from its trial rows and provenance record, to
-    its index object (one PUT; the root's table is compiled apart from this, see the top)."""
+    its index object (the root's table is compiled apart from this, see the top)."""
     row = study_row(
         study.name,
         study.study_uri,
@@ -118,7 +117,7 @@ def record_study(study, trial_rows: list[dict], state: str, provenance: dict | N
         provenance,
         state,
     )
-    storage.write_json(index_uri(study.storage, row["study"]), row)
+    write_row(study.storage, row)
 
 
 def read_index(storage_root: str) -> list[dict]:

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from service import spec, storage, tracking
+from service import provenance, spec, storage, tracking
 from service.errors import StudyNotFound
 from service.spec import Study
 from service.trial import TrialPlan
@@ -65,5 +65,5 @@ def load(study_uri: str) -> StudyData:
         rows=rows,
         histories=histories,
         verdicts=_json(storage.join(study_uri, "verdicts.json"), []),
-        provenance=_json(storage.join(study_uri, "provenance.json"), {}),
+        provenance=provenance.read(study_uri) or {},
     )
