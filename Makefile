@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean chromium bench bench-cluster
+.PHONY: setup demo test test-fast test-cluster lint clean chromium bench bench-cluster bench-scale
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,11 @@ chromium:
 # bench/results.json, bench/results.md and the README's performance table.
 bench: setup
 	$(PY) -m bench.run
+
+# The long scale runs (the 15,000-trial coordinator-memory study, ~half an hour): `make bench`
+# leaves them out and its tables show their last stored figures with the date they were measured.
+bench-scale: setup
+	$(PY) -m bench.run --only coordinator_memory
 
 # Only the 1,000-trial study and the 4-node simulated cluster (issue 11; also in `bench`).
 bench-cluster: setup

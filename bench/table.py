@@ -30,14 +30,14 @@ def _num(v) -> str:
 def markdown(results: dict) -> str:
     figures = results["figures"]
     lines = [
-        "| figure | value | goal | met | service / baseline (raw) | what |",
-        "|---|---|---|---|---|---|",
+        "| figure | value | goal | met | service / baseline (raw) | measured | what |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key in GOALS:
         if key not in figures:
             op, goal, what = GOALS[key]
             goal_text = "informational" if op == "info" else f"{op} {goal:g}"
-            lines.append(f"| `{key}` | — | {goal_text} | not run | | {what} |")
+            lines.append(f"| `{key}` | — | {goal_text} | not run | | | {what} |")
             continue
         f = figures[key]
         raw = ""
@@ -45,7 +45,8 @@ def markdown(results: dict) -> str:
             a, b, unit = BASELINES[key]
             raw = f"{_num(f['raw'][a])} / {_num(f['raw'][b])} {unit}"
         met = "—" if f["goal"] == "informational" else "yes" if f["pass"] else "**no**"
-        lines.append(f"| `{key}` | {_num(f['value'])} | {f['goal']} | {met} | {raw} | {f['what']} |")
+        when = f["raw"].get("measured_at", "?")[:10]
+        lines.append(f"| `{key}` | {_num(f['value'])} | {f['goal']} | {met} | {raw} | {when} | {f['what']} |")
     if "scale" in figures:
         lines += ["", *scale_lines(figures["scale"]["raw"])]
     if "cluster" in figures:
