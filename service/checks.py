@@ -205,6 +205,7 @@ RUN_ONLY_FIELDS = (
     "input.workers",
     "input.num_input_workers",
     "input.cpus_per_input_worker",
+    "input.sync_debug",
     "tracking.progress_interval_s",
 )
 

@@ -43,6 +43,10 @@ class InputPipeline:
     training rank. Worker processes are not reserved with Ray: leave cores for them."""
     cpus_per_input_worker: float = 1.0
     """With `workers: ray_data`: CPUs reserved by each input actor (besides the trainers')."""
+    sync_debug: bool = False
+    """On CUDA: run each training step under `torch.cuda.set_sync_debug_mode("warn")`, so every
+    device-to-host sync inside the step is named (a warning with its Python line) in the worker
+    log. A diagnostic: it changes no result. Ignored on CPU."""
 
     def errors(self):
         yield from positive(self, "num_input_workers", "cpus_per_input_worker")

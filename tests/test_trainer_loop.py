@@ -459,3 +459,69 @@ def first_nonfinite_step(plan: TrialPlan) -> int:
         loss.backward()
         optimizer.step()
     raise AssertionError("the replay never diverged")
+
+
+class StepCountingDigits(Digits):
+    """Digits that counts the training steps it has begun (training-mode forwards) and keeps
+    each step's per-example losses as tensors (no read back to the host)."""
+
+    name = "step_counting_digits"
+    steps_begun = 0
+    losses: list = []
+
+    def forward(self, model, batch):
+        if model.training:
+            StepCountingDigits.steps_begun += 1
+        return model(batch["features"])
+
+    def loss(self, outputs, batch):
+        per_example = super().loss(outputs, batch)
+        StepCountingDigits.losses.append(per_example.detach().clone())
+        return per_example
+
+
+HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+"""Tensor methods that copy a tensor's values to the host (a device sync on CUDA)."""
+
+
+def test_steps_between_eval_points_read_nothing_back_to_the_host(digits_dir, tmp_path, monkeypatch):
+    """Every host read of a tensor on the training thread is recorded with the number of the
+    step begun last: between eval points (steps 10, 20, 25) there must be none. The interval's
+    train/loss is still the mean of its steps' losses."""
+    import threading
+
+    reads: list[tuple[int, str]] = []
+
+    def recording(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                reads.append((StepCountingDigits.steps_begun, name))
+            return original(self, *args, **kwargs)
+
+        return read
+
+    StepCountingDigits.steps_begun, StepCountingDigits.losses = 0, []
+    plan = make_plan(
+        digits_dir,
+        tmp_path / "s",
+        workload=f"{__name__}:StepCountingDigits",
+        max_train_steps=25,
+        eval_every_steps=10,
+    )
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, recording(name))
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+    monkeypatch.undo()
+
+    assert StepCountingDigits.steps_begun == 25
+    eval_points = {10, 20, 25}
+    assert [m["step"] for m in reporter.metrics] == sorted(eval_points)
+    in_steps = sorted({(step, name) for step, name in reads if step not in eval_points | {0}})
+    assert in_steps == []
+    assert {step for step, _ in reads} & eval_points == eval_points  # the tally is read there
+    step_losses = [float(t.mean()) for t in StepCountingDigits.losses]
+    for m, (lo, hi) in zip(reporter.metrics, [(0, 10), (10, 20), (20, 25)], strict=True):
+        assert m["train/loss"] == pytest.approx(sum(step_losses[lo:hi]) / (hi - lo), rel=1e-12)

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
+
 if TYPE_CHECKING:
     from service.data.loader import Batch, TrainStream
 
@@ -115,10 +117,23 @@ def _singletons(source: Iterator[T]) -> Iterator[list[T]]:
             close()
 
 
-def prefetch_stream(stream: TrainStream, start_step: int, depth: int) -> Iterator[Batch]:
+def prefetch_stream(stream: TrainStream, start_step: int, depth: int, pin: bool = False) -> Iterator[Batch]:
     """The training batches of `start_step` on, prepared a shuffle window at a time on a
     background thread that starts on the next window once fewer than `depth` batches are
-    ready (depth 0: no thread; the step loads each window itself)."""
+    ready (depth 0: no thread; the step loads each window itself). With `pin` (and CUDA
+    available), the thread also copies each batch into page-locked memory, so the step's
+    `.to(device, non_blocking=True)` is an asynchronous copy rather than a host-blocking one."""
     if depth == 0:
         return stream.iterate(start_step)
-    return Prefetcher(stream.runs(start_step), depth)
+    runs = stream.runs(start_step)
+    return Prefetcher(_pinned(runs) if pin and torch.cuda.is_available() else runs, depth)
+
+
+def _pinned(runs: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
+    try:
+        for run in runs:
+            yield [{k: v.pin_memory() for k, v in batch.items()} for batch in run]
+    finally:
+        close = getattr(runs, "close", None)
+        if close:
+            close()

@@ -52,8 +52,8 @@ BatchSource = Callable[[TrainStream, int], Iterator[Batch]]
 background thread; `service.data.ray_input` serves them from Ray Data input workers."""
 
 
-def local_batches(depth: int) -> BatchSource:
-    return lambda stream, start_step: prefetch_stream(stream, start_step, depth)
+def local_batches(depth: int, pin: bool = False) -> BatchSource:
+    return lambda stream, start_step: prefetch_stream(stream, start_step, depth, pin)
 
 
 class Checkpointer(Protocol):
@@ -80,6 +80,40 @@ def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=wd)
     momentum = float(hparams.get("momentum", 0.9))
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=name == "nesterov")
+
+
+class StepTally:
+    """An interval's training-loss sum and count (finite losses) and its first non-finite step,
+    kept as device tensors: adding a step's loss reads nothing back to the host, so the step
+    never waits for the device (the playbook: no accidental host syncs in the input pipeline's
+    way). `take()` reads them at an eval point, in one transfer, and starts the next interval."""
+
+    def __init__(self, device):
+        self.device = device
+        self._start()
+
+    def _start(self) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, count
+        self.first_bad = torch.full((), math.inf, dtype=torch.float64, device=self.device)
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        value = loss.detach().double()
+        finite = torch.isfinite(value)
+        self.sums += torch.stack([torch.where(finite, value, 0.0), finite.double()])
+        this_step = torch.full((), float(step), dtype=torch.float64, device=self.device)
+        self.first_bad = torch.where(finite, self.first_bad, torch.minimum(self.first_bad, this_step))
+
+    def take(self) -> tuple[float, float, float]:
+        """(loss sum, finite steps, first non-finite step or inf) since the last take."""
+        loss_sum, count, first_bad = torch.cat([self.sums, self.first_bad.view(1)]).tolist()
+        self._start()
+        return loss_sum, count, first_bad
+
+
+def step_sync_debug(inp, device) -> str | None:
+    """`input.sync_debug` on a CUDA device: torch's sync debug mode during each training step
+    ("warn": one warning naming the Python line of each device-to-host sync). Off elsewhere."""
+    return "warn" if inp.sync_debug and torch.device(device).type == "cuda" else None
 
 
 def all_reduce_sum(values: list[float], device) -> list[float]:
@@ -197,12 +231,14 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     rank0.run(topology_record.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
 
     base_lr = float(plan.hparams["learning_rate"])
-    loss_sum, loss_count, first_bad_step = 0.0, 0, math.inf
+    tally = StepTally(device)
+    sync_debug = step_sync_debug(study.input, device)
     # steps_per_s: the clock of the first interval starts once the first batch is in hand
     # (the loader's start-up is start-up, not step time: InputTimer leaves it out too).
     interval_start: float | None = None
     steps_in_interval = 0
-    batches = (batch_source or local_batches(study.input.prefetch_batches))(stream, step)
+    pin = torch.device(device).type == "cuda"  # pinned host batches: non_blocking copies really are
+    batches = (batch_source or local_batches(study.input.prefetch_batches, pin))(stream, step)
     timer = InputTimer()
     profiler = StepProfiler(
         storage.join(plan.trial_uri, "profile", "rank0.trace.json"),
@@ -215,6 +251,8 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
             group["lr"] = lr
         rank0.run(profiler.before_step, step)
         timer.begin_step()
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode(sync_debug)
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         timer.got_batch()
         if interval_start is None:
@@ -225,18 +263,17 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         optimizer.step()
         step += 1
         steps_in_interval += 1
-        loss_value = float(loss.detach())
+        tally.add(loss, step)  # on the device: no read back to the host inside the step
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode("default")
         timer.end_step()
         rank0.run(profiler.after_step, step)
-        if not math.isfinite(loss_value):
-            first_bad_step = min(first_bad_step, step)
-        if math.isfinite(loss_value):
-            loss_sum += loss_value
-            loss_count += 1
         if step % tr.eval_every_steps and step != max_steps:
             continue
 
-        # 4. Evaluation point: agree on divergence, sync BN stats, evaluate, checkpoint, report.
+        # 4. Evaluation point: read the interval's loss tally (the one host sync of the
+        # interval), agree on divergence, sync BN stats, evaluate, checkpoint, report.
+        loss_sum, loss_count, first_bad_step = tally.take()
         elapsed_s = time.perf_counter() - interval_start
         bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
         reduce_start = time.perf_counter()
@@ -291,7 +328,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
                 saved = rank0.run(save_checkpoint, state, tmp, report)
                 rank0.run(metrics_log.write, history)
                 reporter.report(report, saved)
-        loss_sum, loss_count, steps_in_interval = 0.0, 0, 0
+        steps_in_interval = 0
         interval_start = time.perf_counter()
 
     rank0.run(profiler.close)  # a trial that ended inside its profiled steps
