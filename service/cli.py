@@ -103,6 +103,10 @@ def cmd_validate(args) -> int:
         from service.checks import check_data
 
         check_data(study)
+    from service.analysis.round_checks import validate_findings
+
+    for level, field, message in validate_findings(study):  # on stderr: stdout ends with ok
+        print(f"{level}: {field}: {message}", file=sys.stderr)
     trials = sum(r.num_trials for r in study.rounds)
     print(
         f"ok: study {study.name}: {len(study.rounds)} round(s), {trials} trials, "

@@ -18,7 +18,7 @@ import yaml
 
 from service import storage
 from service.errors import SpecError
-from service.spec_sections import FindSteps, InputPipeline, Tracking
+from service.spec_sections import Budget, FindSteps, InputPipeline, Tracking
 from service.strict import Scalar, build, load_yaml
 from service.strict import non_negative as _non_negative
 from service.strict import positive as _positive
@@ -273,6 +273,8 @@ class Study:
     """The input pipeline: prefetch depth, shuffle window, input-bound threshold, profiling."""
     tracking: Tracking = field(default_factory=Tracking)
     """Progress lines and the optional MLflow mirror."""
+    budget: Budget | None = None
+    """Compute-bound or not, and the compute-bound study's budget (unset: not said)."""
 
     def errors(self):
         if not NAME_RE.match(self.name):
@@ -311,6 +313,7 @@ class Study:
                         f"(got {r.max_train_steps})"
                     ),
                 )
+        yield from self.budget.plan_errors(self) if self.budget else ()
         if self.training.batch_size % self.scaling.world_size:
             yield (
                 "training.batch_size",

@@ -1,5 +1,6 @@
 """Study-file sections that belong to one practice each: the input pipeline (`input:`), the
-max_train_steps finder (`find_steps:`) and tracking (`tracking:`). `service.spec` assembles
+max_train_steps finder (`find_steps:`), tracking (`tracking:`) and the training budget
+(`budget:`). `service.spec` assembles
 them into the Study; the strict loader treats them like every other section."""
 
 from __future__ import annotations
@@ -89,3 +90,47 @@ class Tracking:
 
     def errors(self):
         yield from positive(self, "progress_interval_s")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Is the study compute-bound, and if so, what it may spend (the playbook's chapter on how
+    long to train: its advice differs between the two regimes)."""
+
+    compute_bound: bool
+    """true: the budget, not the data, sets how long trials train; rounds grow the length
+    (round 1 short, round 2 longer) within `max_total_steps`. false: train as long as the
+    training set needs (`playbook find-steps`) and keep that max_train_steps for every
+    exploration round."""
+    max_total_steps: int | None = None
+    """compute-bound only (required there): training steps the whole study may spend, summed
+    over every trial of every round (num_trials x the round's max_train_steps); a plan over it
+    is refused."""
+    first_round_share: float = 0.5
+    """compute-bound only: the fraction of `max_total_steps` round 1 may spend, leaving the rest
+    for the longer rounds after it. The playbook gives no number; half is this service's
+    default. A plan over it is warned about at validate, and round 1's verdicts say when it
+    spent more."""
+
+    def errors(self):
+        if not self.compute_bound:
+            if self.max_total_steps is not None:
+                yield "max_total_steps", "only applies with compute_bound: true"
+            return
+        if self.max_total_steps is None:
+            yield "max_total_steps", "required with compute_bound: true"
+        yield from positive(self, "max_total_steps")
+        if not 0 < self.first_round_share <= 1:
+            yield "first_round_share", f"must be in (0, 1] (got {self.first_round_share})"
+
+    def plan_errors(self, study):
+        """The study's plan against the budget: its total steps may not exceed it."""
+        if not self.compute_bound or self.max_total_steps is None:
+            return
+        total = sum(r.num_trials * study.round_steps(r) for r in study.rounds)
+        if total > self.max_total_steps:
+            yield (
+                "budget.max_total_steps",
+                f"the rounds plan {total} training steps (num_trials x max_train_steps, summed), "
+                f"more than the budget of {self.max_total_steps}",
+            )

@@ -24,6 +24,7 @@ LR_LINEAR = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="line
 MOMENTUM = HParam(role="nuisance", type="float", min=0.5, max=0.99)
 WARMUP = HParam(role="nuisance", type="int", min=0, max=1000)
 WIDTH = HParam(role="scientific", type="choice", values=(16, 32, 64))
+TUNED_WIDTH = dataclasses.replace(WIDTH, role="nuisance")
 ACTIVATION = HParam(role="nuisance", type="choice", values=("relu", "gelu"))
 FIXED = HParam(role="fixed", value=3)
 
@@ -221,9 +222,9 @@ def test_boundary_top_k_can_warn_on_both_sides():
 
 
 def test_boundary_choices_by_numeric_order_and_non_numeric_skipped():
-    space = {"width": WIDTH, "activation": ACTIVATION, "depth": FIXED}
+    space = {"width": TUNED_WIDTH, "activation": ACTIVATION, "depth": FIXED}
     assert boundary([row("a", metric=0.1, width=64, activation="relu")], space, "min") == [
-        boundary([row("a", metric=0.1, width=64, activation="relu")], {"width": WIDTH}, "min")[0]
+        boundary([row("a", metric=0.1, width=64, activation="relu")], {"width": TUNED_WIDTH}, "min")[0]
     ]
     (upper,) = boundary([row("a", metric=0.1, width=64)], space, "min")
     assert upper.severity == "warning" and upper.facts["side"] == "upper" and upper.facts["value"] == 64
@@ -233,7 +234,7 @@ def test_boundary_choices_by_numeric_order_and_non_numeric_skipped():
     (inner,) = boundary([row("a", metric=0.1, width=32)], space, "min")
     assert inner.severity == "ok"
     # the order of the values in the study file does not matter: 64 is still the largest
-    shuffled = {"width": HParam(role="scientific", type="choice", values=(64, 16, 32))}
+    shuffled = {"width": HParam(role="nuisance", type="choice", values=(64, 16, 32))}
     (v,) = boundary([row("a", metric=0.1, width=64)], shuffled, "min")
     assert v.facts["side"] == "upper"
     (v,) = boundary([row("a", metric=0.1, width=32)], shuffled, "min")
@@ -242,9 +243,26 @@ def test_boundary_choices_by_numeric_order_and_non_numeric_skipped():
 
 def test_boundary_choice_top_k():
     rows = [row("a", metric=0.1, width=32), row("b", metric=0.2, width=16)]
-    assert boundary(rows, {"width": WIDTH}, "min")[0].severity == "ok"
-    (v,) = boundary(rows, {"width": WIDTH}, "min", top_k=2)
+    assert boundary(rows, {"width": TUNED_WIDTH}, "min")[0].severity == "ok"
+    (v,) = boundary(rows, {"width": TUNED_WIDTH}, "min", top_k=2)
     assert v.facts["side"] == "lower" and (v.facts["trial_name"], v.facts["rank"]) == ("b", 2)
+
+
+def test_boundary_judges_nuisance_dimensions_only():
+    # The best trial sits at the largest width and at the upper end of the momentum range. As a
+    # nuisance dimension width earns "widen above 64"; as the scientific one (the values the
+    # study compares) it earns nothing, and a fixed one is not searched.
+    rows = [
+        row("t0", metric=0.1, width=64, momentum=0.99),
+        row("t1", metric=0.2, width=16, momentum=0.7),
+    ]
+    scientific_momentum = dataclasses.replace(MOMENTUM, role="scientific")
+    assert WIDTH.role == "scientific"
+    assert boundary(rows, {"width": WIDTH, "momentum": scientific_momentum}, "min") == []
+    found = by_subject(boundary(rows, {"width": TUNED_WIDTH, "momentum": MOMENTUM}, "min"), "boundary")
+    assert [v.facts["side"] for v in found["width"]] == ["upper"]
+    assert "widen the search space above 64" in found["width"][0].message
+    assert [v.facts["side"] for v in found["momentum"]] == ["upper"]
 
 
 def test_boundary_without_results_says_nothing():
@@ -438,14 +456,18 @@ def test_study_verdicts_order_and_best_trial():
     verdicts = study_verdicts(rows, space, "min")
     assert [(v.kind, v.subject) for v in verdicts] == [
         ("best_step_position", "explore-0001"),
-        ("boundary", "learning_rate"),
-        ("boundary", "width"),
+        ("best_step_distribution", "study"),
+        ("boundary", "learning_rate"),  # width is scientific: no boundary verdict
         ("infeasible_region", "learning_rate"),
         ("infeasible_region", "width"),
         ("enough_trials", "study"),
     ]
     assert verdicts[0].facts["position"] == "early"  # step 50 of 1000
-    assert verdicts[2].facts["side"] == "upper"  # width 64
+    # steps 50, 500, 900 of 1000: one early, one late, none of them most; the top quarter
+    # (ceil(3/4) = 1 trial) is explore-0001, early: the whole top quarter, so a warning.
+    spread = verdicts[1].facts
+    assert (spread["early"], spread["late"], spread["top_early"]) == (1, 1, 1)
+    assert verdicts[1].is_warning
     assert verdicts[3].facts["threshold"] == 0.9
     assert verdicts[5].facts["reason"] == "few_trials"
     assert study_verdicts(rows, space, "min") == verdicts

@@ -4,20 +4,17 @@ after each round and saves to `<study>/verdicts.json`)."""
 from __future__ import annotations
 
 from service.analysis.input_bound import row_verdicts
+from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
-from service.analysis.verdicts import Verdict, study_verdicts
+from service.analysis.verdicts import Verdict
 from service.spec import Study
 
 
 def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
-    """An exploration round gets every verdict; an extend round reruns one configuration, so
-    only where its best checkpoint sits is meaningful (search-space and trial-count checks
-    would judge a single point)."""
+    """The round's verdicts (`round_checks.verdicts_for_round`), its trials' input-bound ones
+    and the scientific comparison."""
     mine = [r for r in rows if r.get("round") == round_name]
-    kind = next(r.kind for r in study.rounds if r.name == round_name)
-    verdicts = study_verdicts(mine, study.search, study.training.mode)
-    if kind == "extend":
-        verdicts = [v for v in verdicts if v.kind == "best_step_position"]
+    verdicts = verdicts_for_round(study, round_name, rows)
     verdicts += row_verdicts(mine)
     groups = best_per_scientific(mine, study.search, study.training.mode)
     return {

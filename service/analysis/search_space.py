@@ -1,11 +1,12 @@
 """Playbook verdicts about the search space: is the best point near its boundary, and where
 does training stop being feasible.
 
-* `boundary` -- "A search space is suspicious if the best point sampled from it is close to its
-  boundary. We might find an even better point if we expanded the search range in that
-  direction." Closeness is measured in the scale the dimension is searched in (log10 for a log
-  dimension): in [1e-4, 1] on a log scale, 0.04 sits at 65% of the range although it is at 4%
-  of the linear one, and 0.9 sits at 99% although it is at 90% of the linear one.
+* `boundary` (nuisance dimensions only) -- "A search space is suspicious if the best point
+  sampled from it is close to its boundary. We might find an even better point if we expanded
+  the search range in that direction." Closeness is measured in the scale the dimension is
+  searched in (log10 for a log dimension): in [1e-4, 1] on a log scale, 0.04 sits at 65% of the
+  range although it is at 4% of the linear one, and 0.9 sits at 99% although it is at 90% of
+  the linear one. Scientific dimensions are the experiment's design, not a range to widen.
 * `infeasible_region` -- "If all trials are infeasible for learning rates greater than some
   threshold value, and if the best performing trials have learning rates at the edge of that
   region, the model may suffer from stability issues preventing it from accessing higher
@@ -55,7 +56,11 @@ def boundary(
 ) -> list[Verdict]:
     """Is the best trial (or any of the `top_k` best) close to a bound of the search space?
 
-    For each searched float/int dimension, in the order of `space`: a trial is within `margin`
+    Only nuisance dimensions are judged: a scientific dimension's values are the experiment's
+    design (what the study compares), not a range the search should widen, and a fixed one is
+    not searched.
+
+    For each nuisance float/int dimension, in the order of `space`: a trial is within `margin`
     of the lower bound when its `range_position` is <= margin, of the upper bound when it is
     >= 1 - margin (positions in log10 space for scale log). Each side touched gives a warning
     naming the top-k trial closest to that bound (so a dimension may get two); a dimension
@@ -75,7 +80,7 @@ def boundary(
     top = ranked_results(rows, mode)[:top_k]
     out: list[Verdict] = []
     for name, hp in space.items():
-        if not hp.searched:
+        if hp.role != "nuisance":
             continue
         if hp.type == "choice":
             out.extend(_choice_boundary(name, hp, top))

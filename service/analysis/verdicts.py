@@ -15,6 +15,9 @@ every check. The other checks live one practice per module:
   max_train_steps": if the best step is in the first 10% of training, the maximum number of
   steps is way too high; if it is in the last 25%, we might benefit from training longer and
   re-tuning the decay schedule.
+* `best_step_distribution` (here) -- the same rule across the trials of a round ("always",
+  "consistently"): the fraction of trials, and of the top quarter, whose best step is early or
+  late, and whether the first evaluation comes early enough to see an early one.
 * `boundary` and `infeasible_region` (`service.analysis.search_space`) -- is the best point
   close to the boundary of the search space, and where does training stop being feasible.
 * `enough_trials` (`service.analysis.enough_trials`) -- does the study's best result rest on
@@ -211,14 +214,113 @@ def _exact(x: float) -> Fraction:
     return Fraction(int(x)) if isinstance(x, numbers.Integral) else Fraction(float(x))
 
 
+def _where(step: Any, total: Any) -> str | None:
+    """`early`, `late` or `middle` by the rule of `best_step_position`; None without numbers."""
+    step, total = as_number(step), as_number(total)
+    if step is None or total is None or total <= 0:
+        return None
+    if _exact(step) <= EARLY_FRACTION * _exact(total):
+        return "early"
+    return "late" if _exact(step) > LATE_FRACTION * _exact(total) else "middle"
+
+
+def early_is_visible(eval_every_steps: int, max_train_steps: int) -> bool:
+    """Can a best checkpoint land in the first 10% of training? Only if an evaluation happens
+    there: the first one is at step min(eval_every_steps, max_train_steps)."""
+    return min(eval_every_steps, max_train_steps) <= EARLY_FRACTION * max_train_steps
+
+
+def best_step_distribution(
+    rows: Iterable[Mapping[str, Any]],
+    mode: str,
+    eval_every_steps: int | None = None,
+    compute_bound: bool = False,
+) -> Verdict | None:
+    """Where the best checkpoints of a round's trials fall: the playbook's rule is about the
+    trials together ("if the best step is *always* in the first 10%", "*consistently* in the
+    last 25%"), not about one trial.
+
+    Over the results that have best_step and max_train_steps (each judged against its own
+    max_train_steps, with the boundaries of `best_step_position`), and over their top quarter
+    by metric (the ceil(n/4) best): the fraction early (first 10%) and late (last 25%).
+    Warning when more than half of either group is early (max_train_steps too high), or late
+    (train longer and retune the decay). With `compute_bound`, "late" is what a budget that
+    sets the length gives: said, with severity ok (the next, longer round is the remedy).
+
+    With `eval_every_steps`, a trial whose first evaluation (step min(eval_every_steps,
+    max_train_steps)) comes after the first 10% of its training cannot show an early best
+    step; the message says so. No such results: None.
+    """
+    ranked = [r for r in ranked_results(rows, mode) if _where(r.get("best_step"), r.get("max_train_steps"))]
+    if not ranked:
+        return None
+    top = ranked[: math.ceil(len(ranked) / 4)]
+    counts = {}
+    for group, members in (("all", ranked), ("top", top)):
+        places = [_where(r["best_step"], r["max_train_steps"]) for r in members]
+        counts[group] = (len(members), places.count("early"), places.count("late"))
+    (n, early, late), (k, top_early, top_late) = counts["all"], counts["top"]
+    text = (
+        f"Best checkpoints of the {_trials(n)}: {early} ({_pct(early / n)}) in the first 10% of training, "
+        f"{late} ({_pct(late / n)}) in the last 25%; of the top quarter ({_trials(k)} by metric): "
+        f"{top_early} early, {top_late} late."
+    )
+    blind = None
+    if eval_every_steps is not None:
+        blind = next(
+            (r for r in ranked if not early_is_visible(eval_every_steps, int(r["max_train_steps"]))), None
+        )
+    if blind is not None:
+        total = int(blind["max_train_steps"])
+        first = min(eval_every_steps, total)
+        text += (
+            f" The first evaluation is at step {first} of {total} ({_pct(first / total)}), after the first "
+            "10%, so a best step there cannot be seen: evaluate every "
+            f"{max(1, int(EARLY_FRACTION * total))} steps or fewer to see it."
+        )
+    most_early = early * 2 > n or top_early * 2 > k
+    most_late = late * 2 > n or top_late * 2 > k
+    severity, advice = OK, ""
+    if most_early:
+        severity, advice = WARNING, " Most are early: max_train_steps is probably too high."
+    elif most_late and compute_bound:
+        advice = (
+            " Most are late, as expected when compute-bound: the budget sets the length, and a later, "
+            "longer round is where training longer pays."
+        )
+    elif most_late:
+        severity, advice = WARNING, " Most are late: train longer and retune the decay."
+    return _verdict(
+        "best_step_distribution",
+        "study",
+        severity,
+        text + advice,
+        num_trials=n,
+        early=early,
+        late=late,
+        early_fraction=early / n,
+        late_fraction=late / n,
+        top_trials=k,
+        top_early=top_early,
+        top_late=top_late,
+        early_visible=blind is None,
+        compute_bound=compute_bound,
+    )
+
+
 # ----------------------------------------------------------------------------- all
 
 
 def study_verdicts(
-    rows: Iterable[Mapping[str, Any]], space: Mapping[str, HParam], mode: str
+    rows: Iterable[Mapping[str, Any]],
+    space: Mapping[str, HParam],
+    mode: str,
+    eval_every_steps: int | None = None,
+    compute_bound: bool = False,
 ) -> list[Verdict]:
     """All the checks with their defaults, in this order: `best_step_position` of the overall
-    best result (when its row has best_step and max_train_steps), `boundary` (top_k=1),
+    best result (when its row has best_step and max_train_steps), `best_step_distribution`
+    over all results (given `eval_every_steps` and `compute_bound`), `boundary` (top_k=1),
     `infeasible_region`, `enough_trials` (seed 0)."""
     from service.analysis.enough_trials import enough_trials
     from service.analysis.search_space import boundary, infeasible_region
@@ -231,6 +333,9 @@ def study_verdicts(
         step, total = best.get("best_step"), best.get("max_train_steps")
         if step is not None and total is not None:
             out.append(best_step_position(str(best.get("trial_name")), step, total))
+    spread = best_step_distribution(rows, mode, eval_every_steps, compute_bound)
+    if spread is not None:
+        out.append(spread)
     out.extend(boundary(rows, space, mode))
     out.extend(infeasible_region(rows, space))
     out.append(enough_trials(rows, mode))
