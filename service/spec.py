@@ -113,10 +113,13 @@ class Training:
     schedule: Schedule = field(default_factory=Schedule)
     """Learning-rate schedule."""
     ghost_batch_norm: bool = False
-    """Replace the workload's BatchNorm layers by ghost batch norm over virtual batches of
-    `virtual_batch_size` examples per worker."""
+    """Replace the workload's BatchNorm layers by ghost batch norm: training statistics over
+    virtual batches of exactly `virtual_batch_size` examples, each worker's batch split into
+    virtual batches or, when smaller, the batches of a group of consecutive workers making one."""
     virtual_batch_size: int = 64
-    """Examples per virtual batch for ghost batch norm (the playbook's anecdote: 64)."""
+    """Examples per virtual batch for ghost batch norm (the playbook's anecdote: 64). The
+    per-worker batch must be a multiple of it, or a whole fraction of it whose groups of workers
+    divide the workers."""
     async_checkpoint: bool = True
     """Single-worker trials: write checkpoints on a background thread (training stalls only for
     a memory copy of the state). Multi-worker trials save synchronously through Ray Train."""
@@ -324,6 +327,8 @@ class Study:
             )
         if self.training.resolved_eval_batch_size % self.scaling.world_size:
             yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
+        if self.training.ghost_batch_norm:
+            yield from _ghost_batch_errors(self.training, self.scaling.world_size)
 
     def round_steps(self, rnd: Round) -> int:
         """max_train_steps of a round: its override, else (extend) the source round's times
@@ -350,6 +355,44 @@ class Study:
     @property
     def study_uri(self) -> str:
         return self.storage.rstrip("/") + "/" + self.name
+
+
+def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) -> bool:
+    """Ghost batch norm's rule: statistics over exactly `virtual_batch_size` examples. Each
+    worker's batch is a whole number of virtual batches, or the batches of a group of
+    consecutive workers make one (a group size that divides the number of workers)."""
+    per, v = batch_size // world_size, virtual_batch_size
+    if batch_size % world_size:
+        return False
+    if per >= v:
+        return per % v == 0
+    return v % per == 0 and world_size % (v // per) == 0
+
+
+def _ghost_batch_errors(training: Training, world: int):
+    batch_size, v = training.batch_size, training.virtual_batch_size
+    if batch_size % world or ghost_batch_fits(batch_size, world, v):
+        return
+    per = batch_size // world
+    if per > v:
+        why = f"does not divide the per-worker batch of {per}"
+    elif v % per:
+        why = f"is not a whole number of per-worker batches of {per}"
+    else:
+        why = f"needs groups of {v // per} workers' batches of {per}, and {world} workers do not split so"
+    sizes = [x for x in range(1, batch_size + 1) if ghost_batch_fits(batch_size, world, x)]
+    batches = range(world, 2 * max(batch_size, v * world) + 1, world)
+    yield (
+        "training.virtual_batch_size",
+        f"{v} {why} (training.batch_size {batch_size} over {world} workers); nearest that work: "
+        f"virtual_batch_size {_nearest(sizes, v)}, or batch_size "
+        f"{_nearest([b for b in batches if ghost_batch_fits(b, world, v)], batch_size)}",
+    )
+
+
+def _nearest(values: list[int], x: int) -> str:
+    """The largest of `values` below x and the smallest above it."""
+    return " or ".join(str(n) for n in [n for n in values if n < x][-1:] + [n for n in values if n > x][:1])
 
 
 # ----------------------------------------------------------------------------- loading

@@ -25,59 +25,92 @@ except ImportError:  # tests/ imported as a package
     from tests._gloo import run_gloo
 
 HPARAMS = {"learning_rate": 0.1, "momentum": 0.9, "width": 4}
-STAT_KEYS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def bn_model() -> nn.Module:
-    return nn.ModuleDict({"a": nn.BatchNorm1d(3), "b": nn.BatchNorm2d(2)})
+    return nn.ModuleDict(
+        {"a": nn.BatchNorm1d(3), "b": nn.BatchNorm2d(2), "cumulative": nn.BatchNorm1d(3, momentum=None)}
+    )
+
+
+def a_batch(rank):
+    # Channel means grow with the rank; the last channel sits far from zero with a small spread
+    # (as raw, unnormalised features do).
+    loc = torch.tensor([0.0, 2.0, 200.0]) + torch.tensor([1.0, -1.0, 1.0]) * rank
+    scale = torch.tensor([1.0, 0.5, 0.05]) * (1 + rank)
+    return torch.randn(32, 3) * scale + loc
 
 
 def bn_rank(rank, world):
-    """Each rank feeds its BN layers data of its own location and scale; returns the running
-    statistics before and after the sync."""
+    """Each rank feeds its BN layers data of its own location and scale (the momentum=None layer
+    counts 3 + rank batches); returns the running statistics before and after the sync, the
+    batches' statistics, and the statistics after one more batch on every rank."""
     torch.manual_seed(rank)
     model = bn_model().train()
-    # Channel means grow with the rank; the last channel of "a" sits far from zero with a small
-    # spread (as raw, unnormalised features do).
-    loc_a = torch.tensor([0.0, 2.0, 200.0]) + torch.tensor([1.0, -1.0, 1.0]) * rank
-    scale_a = torch.tensor([1.0, 0.5, 0.05]) * (1 + rank)
     for _ in range(5):
-        model["a"](torch.randn(32, 3) * scale_a + loc_a)
+        model["a"](a_batch(rank))
         model["b"](torch.randn(8, 2, 4, 4) * (1 + rank) - 3 * rank)
+    batches = [a_batch(rank) for _ in range(3 + rank)]
+    for x in batches:
+        model["cumulative"](x)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     sync_batchnorm_stats(model)
     after = {k: v.clone() for k, v in model.state_dict().items()}
-    return {"before": before, "after": after}
+    batches.append(a_batch(rank))
+    model["cumulative"](batches[-1])
+    return {
+        "before": before,
+        "after": after,
+        "batches": torch.stack(batches),
+        "continued": {k: v.clone() for k, v in model["cumulative"].state_dict().items()},
+    }
 
 
-def test_sync_combines_running_stats_of_all_ranks(tmp_path):
+def test_sync_averages_running_stats_of_all_ranks(tmp_path):
     world = 3
     results = run_gloo(bn_rank, world, tmp_path)
 
     for layer in ("a", "b"):
         means = np.stack([r["before"][f"{layer}.running_mean"].double().numpy() for r in results])
         variances = np.stack([r["before"][f"{layer}.running_var"].double().numpy() for r in results])
-        expected_mean = means.mean(axis=0)
-        expected_var = variances.mean(axis=0) + means.var(axis=0)  # variance of the union
-        for r in results:
+        for r in results:  # the EMAs' plain mean over ranks (not the variance of the union)
             after = r["after"]
+            np.testing.assert_allclose(after[f"{layer}.running_mean"].numpy(), means.mean(axis=0), rtol=1e-6)
             np.testing.assert_allclose(
-                after[f"{layer}.running_mean"].numpy(), expected_mean, rtol=1e-6, atol=1e-6
+                after[f"{layer}.running_var"].numpy(), variances.mean(axis=0), rtol=1e-6
             )
-            np.testing.assert_allclose(
-                after[f"{layer}.running_var"].numpy(), expected_var, rtol=1e-6, atol=1e-6
-            )
-        for r in results[1:]:  # bit-identical on every rank
-            for key in STAT_KEYS:
-                assert torch.equal(r["after"][f"{layer}.{key}"], results[0]["after"][f"{layer}.{key}"])
+            assert int(after[f"{layer}.num_batches_tracked"]) == 5
         # Rank 0's own statistics (what DDP's broadcast_buffers would spread) are not the result.
         rank0 = results[0]["before"]
-        assert not np.allclose(rank0[f"{layer}.running_mean"].numpy(), expected_mean, rtol=1e-3)
-        assert not np.allclose(rank0[f"{layer}.running_var"].numpy(), expected_var, rtol=1e-3)
+        assert not np.allclose(rank0[f"{layer}.running_mean"].numpy(), means.mean(axis=0), rtol=1e-3)
+        assert not np.allclose(rank0[f"{layer}.running_var"].numpy(), variances.mean(axis=0), rtol=1e-3)
         # And the ranks really did start from different statistics.
-        assert not torch.equal(
-            results[0]["before"][f"{layer}.running_mean"], results[1]["before"][f"{layer}.running_mean"]
-        )
+        assert not np.allclose(means[0], means[1], rtol=1e-3)
+    for r in results[1:]:  # bit-identical on every rank
+        for key, value in r["after"].items():
+            assert torch.equal(value, results[0]["after"][key]), key
+
+    # momentum=None: a cumulative average, so the synced statistics are the average of every
+    # batch's statistics on every rank (3 + 4 + 5 batches), computed here from the batches.
+    x = [r["batches"].double().numpy() for r in results]  # [batches, 32, 3] per rank
+    synced = np.concatenate([b[:-1] for b in x])
+    expected_mean = synced.mean(axis=1).mean(axis=0)
+    expected_var = synced.var(axis=1, ddof=1).mean(axis=0)
+    for r in results:
+        after = r["after"]
+        np.testing.assert_allclose(after["cumulative.running_mean"].numpy(), expected_mean, rtol=1e-5)
+        np.testing.assert_allclose(after["cumulative.running_var"].numpy(), expected_var, rtol=1e-5)
+        assert int(after["cumulative.num_batches_tracked"]) == 4  # the ranks' mean count
+    # The ranks did count differently, so the plain mean of their averages is not the answer.
+    plain_mean = np.mean([r["before"]["cumulative.running_mean"].double().numpy() for r in results], axis=0)
+    assert not np.allclose(plain_mean, expected_mean, rtol=1e-4)
+
+    # One more batch on every rank: the mean over ranks is still the average over all batches.
+    everything = np.concatenate(x)
+    continued_mean = np.mean([r["continued"]["running_mean"].double().numpy() for r in results], axis=0)
+    continued_var = np.mean([r["continued"]["running_var"].double().numpy() for r in results], axis=0)
+    np.testing.assert_allclose(continued_mean, everything.mean(axis=1).mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(continued_var, everything.var(axis=1, ddof=1).mean(axis=0), rtol=1e-5)
 
 
 def test_sync_is_a_no_op_without_a_process_group():

@@ -11,7 +11,13 @@ from torch import nn
 
 from service import spec
 from service.errors import SpecError
-from service.nn.ghost_batchnorm import GhostBatchNorm1d, GhostBatchNorm2d, convert_to_ghost, has_batchnorm
+from service.nn.ghost_batchnorm import (
+    GhostBatchNorm1d,
+    GhostBatchNorm2d,
+    convert_to_ghost,
+    ghost_group,
+    has_batchnorm,
+)
 from service.workloads.digits import SmallConvNet
 from tests.conftest import MINIMAL_STUDY as MINIMAL
 
@@ -83,7 +89,9 @@ def _check_train(bn, x, virtual):
 
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
-@pytest.mark.parametrize("n,chunks", [(256, 4), (100, 2)], ids=["multiple-of-virtual", "remainder-chunk"])
+@pytest.mark.parametrize(
+    "n,chunks", [(256, 4), (192, 3)], ids=["four-virtual-batches", "three-virtual-batches"]
+)
 def test_2d_train_normalises_each_virtual_batch(n, chunks, momentum):
     bn = _ghost(GhostBatchNorm2d, 3, virtual=64, momentum=momentum)
     bn.num_batches_tracked.fill_(2)  # so the cumulative average starts mid-way
@@ -98,11 +106,11 @@ def test_2d_train_normalises_each_virtual_batch(n, chunks, momentum):
     assert (bn.running_mean - plain.running_mean).abs().max() > 0.1
 
 
-def test_2d_batch_not_above_virtual_is_plain_batchnorm():
+def test_2d_batch_of_one_virtual_batch_is_plain_batchnorm():
     bn = _ghost(GhostBatchNorm2d, 3, virtual=64)
     plain = nn.BatchNorm2d(3)
     plain.load_state_dict(bn.state_dict())
-    x = _batch(48, 3)
+    x = _batch(64, 3)
     y = _check_train(bn, x, virtual=64)
     torch.testing.assert_close(y, plain(x), **TOL)
     for key, value in plain.state_dict().items():
@@ -111,20 +119,45 @@ def test_2d_batch_not_above_virtual_is_plain_batchnorm():
 
 def test_1d_on_flat_features():
     bn = _ghost(GhostBatchNorm1d, 6, virtual=32)
-    x = _batch(80, 6, spatial=())  # chunks of 32, 32, 16
+    x = _batch(96, 6, spatial=())  # chunks of 32, 32, 32
     y = _check_train(bn, x, virtual=32)
-    assert x.shape == (80, 6) and int(bn.num_batches_tracked) == 3
+    assert x.shape == (96, 6) and int(bn.num_batches_tracked) == 3
     assert (y - F.batch_norm(x, None, None, bn.weight, bn.bias, training=True)).abs().max() > 0.1
 
 
 def test_1d_on_sequences():
     bn = _ghost(GhostBatchNorm1d, 4, virtual=16)
-    _check_train(bn, _batch(40, 4, spatial=(7,)), virtual=16)
+    _check_train(bn, _batch(48, 4, spatial=(7,)), virtual=16)
+
+
+@pytest.mark.parametrize("n", [80, 100, 48], ids=["remainder-of-16", "remainder-of-36", "below-virtual"])
+def test_training_batch_not_a_whole_number_of_virtual_batches_raises(n):
+    """80 = 64 + 16 would normalise 16 examples with their own statistics; 48 (no group of
+    ranks) would normalise over 48: both refused, and nothing is updated."""
+    bn = _ghost(GhostBatchNorm2d, 3, virtual=64)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    with pytest.raises(ValueError, match=f"a batch of {n} is not a whole number of virtual batches of 64"):
+        bn(_batch(n, 3))
+    for key, value in bn.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    bn.eval()(_batch(n, 3))  # eval mode: running statistics, any batch size
+
+
+def test_ghost_group_needs_sizes_that_divide():
+    assert ghost_group(128, 64) is None and ghost_group(64, 64) is None
+    with pytest.raises(ValueError, match="virtual batch 64 does not divide the per-worker batch 80"):
+        ghost_group(80, 64)
+    with pytest.raises(
+        ValueError, match="virtual batch 64 is not a whole number of per-worker batches of 24"
+    ):
+        ghost_group(24, 64)
+    with pytest.raises(ValueError, match="needs a process group"):
+        ghost_group(32, 64)  # no process group in this process
 
 
 def test_gradients_match_autograd_through_reference():
     bn = _ghost(GhostBatchNorm2d, 3, virtual=64)
-    x = _batch(160, 3).requires_grad_()
+    x = _batch(192, 3).requires_grad_()
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     (bn(x) * upstream).sum().backward()
 
@@ -244,3 +277,66 @@ def test_spec_rejects_zero_virtual_batch_size():
     with pytest.raises(SpecError) as e:
         spec.load_dict(raw)
     assert str(e.value).startswith("training.virtual_batch_size: "), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "batch_size,hosts,workers,virtual,message",
+    [
+        (
+            80,
+            1,
+            1,
+            64,
+            "training.virtual_batch_size: 64 does not divide the per-worker batch of 80 (training.batch_size "
+            "80 over 1 workers); nearest that work: virtual_batch_size 40 or 80, or batch_size 64 or 128",
+        ),
+        (
+            320,
+            2,
+            2,
+            64,
+            "training.virtual_batch_size: 64 does not divide the per-worker batch of 80 (training.batch_size "
+            "320 over 4 workers); nearest that work: virtual_batch_size 40 or 80, or batch_size 256 or 512",
+        ),
+        (
+            96,
+            1,
+            4,
+            64,
+            "training.virtual_batch_size: 64 is not a whole number of per-worker batches of 24 "
+            "(training.batch_size 96 over 4 workers); nearest that work: virtual_batch_size 48 or 96, "
+            "or batch_size 64 or 128",
+        ),
+        (
+            96,
+            3,
+            1,
+            64,
+            "training.virtual_batch_size: 64 needs groups of 2 workers' batches of 32, and 3 workers do "
+            "not split so (training.batch_size 96 over 3 workers); nearest that work: virtual_batch_size "
+            "32 or 96, or batch_size 192",
+        ),
+    ],
+    ids=["remainder-chunk", "remainder-chunk-per-worker", "not-whole-batches", "groups-do-not-tile"],
+)
+def test_spec_refuses_virtual_batches_the_batches_do_not_make(batch_size, hosts, workers, virtual, message):
+    raw = copy.deepcopy(MINIMAL)
+    raw["training"].update(batch_size=batch_size, ghost_batch_norm=True, virtual_batch_size=virtual)
+    raw["scaling"] = {"num_hosts": hosts, "workers_per_host": workers}
+    with pytest.raises(SpecError) as e:
+        spec.load_dict(raw)
+    assert str(e.value) == message
+    raw["training"]["ghost_batch_norm"] = False  # the sizes only matter to ghost batch norm
+    spec.load_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "batch_size,world,virtual",
+    [(256, 4, 64), (64, 1, 64), (64, 4, 64), (128, 8, 32), (32, 4, 16)],
+    ids=["one-per-worker", "one-worker", "group-of-4", "groups-of-2", "groups-of-2-of-4"],
+)
+def test_spec_accepts_virtual_batches_the_batches_make(batch_size, world, virtual):
+    raw = copy.deepcopy(MINIMAL)
+    raw["training"].update(batch_size=batch_size, ghost_batch_norm=True, virtual_batch_size=virtual)
+    raw["scaling"] = {"num_hosts": 1, "workers_per_host": world}
+    assert spec.load_dict(raw).training.virtual_batch_size == virtual

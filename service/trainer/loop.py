@@ -28,7 +28,7 @@ from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
 from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample
 from service.nn.batchnorm import sync_batchnorm_stats
-from service.nn.ghost_batchnorm import convert_to_ghost
+from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
 from service.trainer import checkpoint, rng, topology_record
@@ -167,7 +167,8 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     torch.manual_seed(init_seed(plan.trial_seed))
     model = workload.build_model(plan.hparams).to(device)
     if tr.ghost_batch_norm:  # BN statistics over virtual batches, not the per-worker batch
-        convert_to_ghost(model, tr.virtual_batch_size)
+        group = ghost_group(tr.batch_size // topo.world_size, tr.virtual_batch_size)
+        convert_to_ghost(model, tr.virtual_batch_size, group)
     init_params = topology_record.params_sha256(model)
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
