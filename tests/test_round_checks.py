@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -19,7 +20,10 @@ from service.cli import main
 from service.errors import SpecError
 from service.evaluation import predictions
 from service.spec import HParam
+from service.topology import Topology
+from service.trainer.loop import train
 from service.trial import TrialPlan
+from tests._gloo import run_gloo
 
 LR = HParam(role="nuisance", type="float", min=1e-3, max=1.0, scale="log")
 
@@ -328,3 +332,73 @@ def test_validate_not_compute_bound_keeps_one_max_train_steps(tmp_path, capsys):
     assert "rounds[1]" not in err  # the extend round trains longer on purpose
     d["rounds"][2]["max_train_steps"] = 300
     assert "max_train_steps" not in validate(tmp_path, capsys, d)[2]
+
+
+# ----------------------------------------------------------------------------- real trials
+
+
+def sampled_study(digits_dir, storage) -> spec.Study:
+    return spec.load_dict(
+        {
+            "name": "noise",
+            "workload": "digits",
+            "data": {s: f"{digits_dir}/{s}" for s in ("train", "validation")},
+            "storage": storage,
+            "training": {
+                "max_train_steps": 20,
+                "batch_size": 30,
+                "eval_batch_size": 60,
+                "eval_every_steps": 2,
+                "metric": "validation/error",
+                "validation_sample_size": 60,
+            },
+            "search": {"learning_rate": {"role": "nuisance", "type": "float", "min": 0.01, "max": 1.0}},
+            "rounds": [{"name": "r1", "num_trials": 2}],
+        }
+    )
+
+
+class NullReporter:
+    def report(self, metrics, checkpoint_dir):
+        pass
+
+    def restore(self):
+        return None
+
+
+def train_two(rank, world, digits_dir, storage):
+    topo = Topology(world_rank=0, world_size=1, local_rank=0, workers_per_host=1)
+    out = []
+    for i, lr in enumerate((0.05, 0.3)):
+        plan = TrialPlan(
+            sampled_study(digits_dir, storage), f"r1-{i}", "r1", {"learning_rate": lr, "width": 4}
+        )
+        result = train(plan, topo, NullReporter())
+        out.append({k: result[k] for k in ("trial_name", "best_step", "best_metric", "last_step")})
+    return out
+
+
+def test_eval_noise_of_real_trials_uses_their_saved_sample_predictions(digits_dir, tmp_path):
+    storage = str(tmp_path / "storage")
+    (results,) = run_gloo(train_two, 1, tmp_path, str(digits_dir), storage)
+    study = sampled_study(digits_dir, storage)
+    rows = [
+        dict(
+            r,
+            round="r1",
+            status="FINISHED",
+            step=r["last_step"],
+            max_train_steps=20,
+            **{"hp/learning_rate": lr},
+        )
+        for r, lr in zip(results, (0.05, 0.3), strict=True)
+    ]
+    best = min(rows, key=lambda r: (r["best_metric"], r["trial_name"]))
+    saved = TrialPlan(study, best["trial_name"], "r1").predictions_uri("validation-sample", best["best_step"])
+    errors = pq.read_table(saved).column("metric/error").to_numpy()
+    assert len(errors) == 60 and errors.mean() == pytest.approx(best["best_metric"])
+    (v,) = [v for v in verdicts_for_round(study, "r1", rows) if v.kind == "eval_noise"]
+    se = np.std(errors, ddof=1) / math.sqrt(60)
+    gap = abs(rows[0]["best_metric"] - rows[1]["best_metric"])
+    assert v.facts["se"] == pytest.approx(se) and v.facts["gap"] == pytest.approx(gap)
+    assert v.is_warning == (se > gap)
