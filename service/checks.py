@@ -93,13 +93,18 @@ def check_data(study: Study) -> None:
 
 
 def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:
-    """The workload turns the file's first row into a batch (right column types and shapes)."""
+    """The workload turns the file's first rows into a batch (right column types and shapes),
+    their ids are integers, and the workload keeps its contract on them (`check_contract`)."""
+    from service.data.loader import example_ids
+
     try:
-        row = pf.read_row_group(0, columns=list(workload.columns)).slice(0, 1)
+        row = pf.read_row_group(0, columns=list(workload.columns)).slice(0, 4)
         workload.to_batch(row)
     except Exception as e:  # whatever the workload's conversion raises on a bad value
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{uri}: not readable as workload {workload.name} input ({message})") from None
+    example_ids(row, workload, uri)
+    workloads.check_contract(workload, row)
 
 
 def autoscaler_nodes(cluster_config, study: Study) -> list[dict]:

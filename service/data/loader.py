@@ -136,6 +136,7 @@ class WindowReader:
                 f"{pieces[0].uri}: columns {', '.join(self.workload.columns)} cannot be turned into "
                 f"a batch by workload {self.workload.name} ({e})"
             ) from None
+        tensors["example_id"] = example_ids(table, self.workload, pieces[0].uri)
         self.stats.read_s += t1 - t0
         self.stats.preprocess_s += time.perf_counter() - t1
         return tensors
@@ -155,6 +156,19 @@ class WindowReader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def example_ids(table: pa.Table, workload: Workload, uri: str) -> torch.Tensor:
+    """The workload's `id_column` as a batch's `example_id` (int64), read by the loader itself
+    whatever `to_batch` returns: every prediction row and data fingerprint names its example."""
+    column = table.column(workload.id_column)
+    if not pa.types.is_integer(column.type) or column.null_count:
+        what = f"has {column.null_count} null(s)" if column.null_count else f"is {column.type}"
+        raise DataError(
+            f"{uri}: column {workload.id_column!r} (id_column of workload {workload.name}) {what}; "
+            "ids must be integers"
+        )
+    return torch.from_numpy(column.to_numpy().astype(np.int64))
 
 
 def rebatch(chunks: Iterator[Batch], batch_size: int, keep_last: bool) -> Iterator[Batch]:

@@ -1,6 +1,10 @@
 """Per-example predictions of an evaluation: gathered from every rank, written by rank 0 as one
-parquet file (example_id, label, prediction, score, weight, split, step), so any metric can be
-recomputed, sliced or audited later from the file alone."""
+parquet file, so any metric can be recomputed, sliced or audited later from the file alone.
+
+Columns: example_id (the workload's id_column), label, weight, split, step, `metric/<name>` for
+each of the workload's per-example metrics and, for a classifier (`num_classes` set),
+`prediction` (argmax of the logits) and `score` (its softmax probability), else `output` (the
+model's output: a number, or a list of numbers per example)."""
 
 from __future__ import annotations
 
@@ -14,14 +18,14 @@ import torch.distributed as dist
 
 from service import storage
 
-BASE_COLUMNS = ("example_id", "label", "prediction", "score", "weight")
-
 
 class PredictionLog:
     """Collects this rank's real (weight > 0) rows of one evaluation."""
 
-    def __init__(self, metric_names: tuple[str, ...] = ()):
-        self.keys = BASE_COLUMNS + tuple(f"metric/{m}" for m in metric_names)
+    def __init__(self, metric_names: tuple[str, ...] = (), num_classes: int | None = None):
+        self.num_classes = num_classes
+        outputs = ("prediction", "score") if num_classes else ("output",)
+        self.keys = ("example_id", "label", *outputs, "weight", *(f"metric/{m}" for m in metric_names))
         self.parts: list[dict[str, np.ndarray]] = []
 
     def add(
@@ -33,19 +37,18 @@ class PredictionLog:
         """Keep the real rows of a batch; `per_example` metric values become `metric/<name>`
         columns (what the sampled-eval bias check compares)."""
         real = batch["weight"] > 0
-        probs = torch.softmax(outputs.detach().float(), dim=1)
-        score, prediction = probs.max(dim=1)
-        self.parts.append(
-            {
-                "example_id": batch["example_id"][real].cpu().numpy(),
-                "label": batch["label"][real].cpu().numpy(),
-                "prediction": prediction[real].cpu().numpy(),
-                "score": score[real].cpu().numpy(),
-                "weight": batch["weight"][real].cpu().numpy(),
-            }
-        )
+        outputs = outputs.detach().float()
+        if self.num_classes:
+            score, prediction = torch.softmax(outputs, dim=1).max(dim=1)
+            columns = {"prediction": prediction, "score": score}
+        else:
+            flat = outputs.reshape(len(outputs), -1)
+            columns = {"output": flat[:, 0] if flat.shape[1] == 1 else flat}
+        columns = {"example_id": batch["example_id"], "label": batch["label"], **columns}
+        columns["weight"] = batch["weight"]
         for name, values in (per_example or {}).items():
-            self.parts[-1][f"metric/{name}"] = values.detach()[real].double().cpu().numpy()
+            columns[f"metric/{name}"] = values.detach().double()
+        self.parts.append({k: v[real].cpu().numpy() for k, v in columns.items() if k in self.keys})
 
     def gather(self) -> dict[str, np.ndarray] | None:
         """All ranks' rows on rank 0 (None elsewhere), in world-rank order."""
@@ -64,18 +67,28 @@ def _concat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.array([])
 
 
+def _column(values: np.ndarray) -> pa.Array:
+    """int64 for integers, float64 otherwise; a fixed-size list per row for several values."""
+    flat = values.reshape(len(values), -1)
+    kind = np.int64 if np.issubdtype(values.dtype, np.integer) or values.dtype == bool else np.float64
+    if values.ndim <= 1:
+        return pa.array(values.astype(kind))
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(kind).ravel()), flat.shape[1])
+
+
+TYPES = {"example_id": np.int64, "prediction": np.int64, "score": np.float32, "weight": np.float32}
+"""Columns whose type is fixed, whatever the workload."""
+
+
 def write(uri: str, rows: dict[str, np.ndarray], split: str, step: int) -> None:
     n = len(rows["example_id"])
+    columns = {k: pa.array(v.astype(TYPES[k])) if k in TYPES else _column(v) for k, v in rows.items()}
     table = pa.table(
         {
-            "example_id": pa.array(rows["example_id"].astype(np.int64)),
-            "label": pa.array(rows["label"].astype(np.int64)),
-            "prediction": pa.array(rows["prediction"].astype(np.int64)),
-            "score": pa.array(rows["score"].astype(np.float32)),
-            "weight": pa.array(rows["weight"].astype(np.float32)),
+            **{k: columns[k] for k in rows if not k.startswith("metric/")},
             "split": pa.array([split] * n, pa.string()),
             "step": pa.array(np.full(n, step, dtype=np.int64)),
-            **{k: pa.array(v.astype(np.float64)) for k, v in rows.items() if k.startswith("metric/")},
+            **{k: columns[k] for k in rows if k.startswith("metric/")},
         }
     )
     buf = io.BytesIO()

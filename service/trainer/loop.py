@@ -351,7 +351,7 @@ def run_evals(plan, workload, model, topo, val_ranges, sample, batch_size, step,
     metric_name = tr.metric.split("/", 1)[1]
 
     def one(keep, split: str, prefix: str) -> tuple[dict, dict | None]:
-        log = PredictionLog(workload.metric_names)
+        log = PredictionLog(workload.metric_names, workload.num_classes)
         val = evaluate(
             model, workload, eval_batches(workload, val_ranges, batch_size, keep), batch_size, device, log
         )

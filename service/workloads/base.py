@@ -1,4 +1,5 @@
-"""The Workload interface: what a study trains, and on which columns.
+"""The Workload interface: what a study trains, and on which columns (the contract, with a
+complete example, is docs/workloads.md).
 
 A workload owns the model, the loss and the per-example metrics, and names the parquet columns
 it reads (the loader projects exactly those at read time). It is plain PyTorch.
@@ -17,12 +18,19 @@ from torch import nn
 class Workload(abc.ABC):
     name: str = ""
     id_column: str = "example_id"
+    """Integer column naming each example (unique within a split). The loader reads it itself
+    and adds it to every batch as `example_id`: `to_batch` need not return it."""
     label_column: str = "label"
     feature_columns: tuple[str, ...] = ()
     metric_names: tuple[str, ...] = ("loss",)
     """Names of the per-example metrics `metrics()` returns (reported as validation/<name>)."""
     hparam_defaults: dict[str, Any] = {}
     """Model hyperparameters this workload accepts, with their defaults."""
+    num_classes: int | None = None
+    """A classifier's number of classes: its outputs must then be [batch, num_classes] logits,
+    and evaluations add per-class support / precision / recall and the predictions file's
+    `prediction` (argmax) and `score` (its softmax probability). None: outputs of any shape,
+    kept as the predictions file's `output` column; no per-class metrics."""
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -34,7 +42,8 @@ class Workload(abc.ABC):
 
     @abc.abstractmethod
     def to_batch(self, table: pa.Table) -> dict[str, torch.Tensor]:
-        """Columns -> tensors, vectorised (no per-example Python loop). Must include 'label'."""
+        """Columns -> tensors, vectorised (no per-example Python loop), one row per table row.
+        Must include 'label'; `forward` reads the rest (by default 'features')."""
 
     @abc.abstractmethod
     def loss(self, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -56,7 +56,6 @@ class Digits(Workload):
         return {
             "features": torch.from_numpy(pixels).view(-1, 1, 8, 8),
             "label": torch.from_numpy(self.map_labels(labels)),
-            "example_id": torch.from_numpy(table.column(self.id_column).to_numpy().astype(np.int64)),
         }
 
     def map_labels(self, labels: np.ndarray) -> np.ndarray:
