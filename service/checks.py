@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import uuid
 
 import pyarrow.parquet as pq
@@ -90,6 +91,27 @@ def check_data(study: Study) -> None:
                 f"{study.data.train}: {len(files)} training files cannot be sharded "
                 f"over scaling.num_hosts={study.scaling.num_hosts}"
             )
+    check_overlap(study, workload)
+
+
+def check_overlap(study: Study, workload) -> None:
+    """No example id of the training split is in the validation or test split (`data.overlap`:
+    exact on small splits, estimated from a sample on large ones): refused, or with
+    `data.allow_overlap` a warning with the count."""
+    from service.data import overlap
+
+    train = overlap.read_ids(list_files(study.data.train), workload.id_column)
+    for split in ("validation", "test"):
+        uri = getattr(study.data, split)
+        if uri is None:
+            continue
+        found = overlap.overlap(train, overlap.read_ids(list_files(uri), workload.id_column))
+        if not found.count:
+            continue
+        message = f"{uri}: {found.describe(split, workload.id_column)}"
+        if not study.data.allow_overlap:
+            raise DataError(f"{message}; remove them, or set data.allow_overlap: true if intended")
+        print(f"playbook: warning: {message} (data.allow_overlap: true)", file=sys.stderr, flush=True)
 
 
 def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:

@@ -36,6 +36,10 @@ class Data:
     """URI of the validation parquet files; evaluated every `training.eval_every_steps`."""
     test: str | None = None
     """URI of the held-out test files; only `playbook eval` reads them."""
+    allow_overlap: bool = False
+    """Examples of the training split whose id (the workload's id column) is also in the
+    validation or test split are refused at `playbook validate --data` and at run start; true
+    lets them through with a warning giving their count (an intended overlap)."""
 
 
 @dataclass(frozen=True)
