@@ -207,9 +207,26 @@ def test_round_verdict_measures_the_standard_error_on_the_saved_sample_predictio
     (v,) = [v for v in verdicts_for_round(study, "explore", rows) if v.kind == "eval_noise"]
     assert v.facts["se"] == pytest.approx(np.std(values, ddof=1) / math.sqrt(80))
     assert v.facts["sample_size"] == 80
-    assert "saved predictions of t0 at step 150" in v.message
+    assert "saved validation-sample predictions of t0 at step 150" in v.message
     saved = round_verdicts(study, "explore", rows)["verdicts"]
     assert any(d["kind"] == "eval_noise" and d["severity"] == "warning" for d in saved)
+
+
+def test_a_sample_as_large_as_the_set_is_judged_on_the_full_predictions(tmp_path):
+    # validation_sample_size >= the set's rows: every eval is on the full set (no sample file)
+    study = spec.load_dict(study_dict(tmp_path, validation_sample_size=5000))
+    rows = [dict(r, max_train_steps=300, step=300, best_step=150) for r in NOISY_ROUND]
+    values = np.zeros(270)
+    values[:27] = 1
+    plan = TrialPlan(study, "t0", "explore")
+    n = len(values)
+    full = {"example_id": np.arange(n), "label": np.zeros(n), "prediction": np.zeros(n), "score": np.ones(n)}
+    full.update({"weight": np.ones(n), "metric/error": values})
+    predictions.write(plan.predictions_uri("validation", 150), full, "validation", 150)
+    (v,) = [v for v in verdicts_for_round(study, "explore", rows) if v.kind == "eval_noise"]
+    assert v.facts["sample_size"] == 270
+    assert v.facts["se"] == pytest.approx(np.std(values, ddof=1) / math.sqrt(270))
+    assert "saved validation predictions of t0" in v.message
 
 
 def test_no_eval_noise_verdict_without_a_sample_or_in_an_extend_round(tmp_path):

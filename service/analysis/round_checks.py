@@ -62,19 +62,20 @@ def verdicts_for_round(study: Study, round_name: str, rows: list[dict]) -> list[
 
 def sample_noise(study: Study, rows: list[dict]) -> Verdict | None:
     """`eval_noise` for a round: the standard error measured on the best trial's saved
-    predictions of the sample at its best step, else (none saved) the binomial one of a rate
-    metric at the best result; neither: None."""
+    predictions at its best step (of the sample; of the full validation set when the sample
+    was not used, a `validation_sample_size` at least the set's size), else (none saved) the
+    binomial one of a rate metric at the best result; neither: None."""
     tr = study.training
     ranked = ranked_results(rows, tr.mode)
     if len(ranked) < 2:
         return None
     best = ranked[0]
-    values = _sample_values(study, best, tr.metric.split("/", 1)[1])
-    if values is not None:
-        x, w = values
+    saved = _saved_values(study, best, tr.metric.split("/", 1)[1])
+    if saved is not None:
+        split, x, w = saved
         se, n = standard_error(x, w), len(x)
         source = (
-            f"per-example standard deviation over sqrt({n}), from the saved predictions of "
+            f"per-example standard deviation over sqrt({n}), from the saved {split} predictions of "
             f"{best['trial_name']} at step {best['best_step']}"
         )
     elif tr.metric.split("/", 1)[1] in RATE_METRICS:
@@ -86,9 +87,10 @@ def sample_noise(study: Study, rows: list[dict]) -> Verdict | None:
     return eval_noise(rows, tr.mode, tr.metric, n, se, source)
 
 
-def _sample_values(study: Study, row: Mapping[str, Any], metric_name: str):
-    """(per-example values, weights) of `metric_name` in the row's sample predictions at its
-    best step, or None when no such file or column was saved."""
+def _saved_values(study: Study, row: Mapping[str, Any], metric_name: str):
+    """(split, per-example values, weights) of `metric_name` in the row's predictions at its
+    best step -- the sample's (`validation-sample`), or the full set's (`validation`) where no
+    sample file was written -- or None when neither file (or column) was saved."""
     import pyarrow.parquet as pq
 
     from service import storage
@@ -97,14 +99,15 @@ def _sample_values(study: Study, row: Mapping[str, Any], metric_name: str):
     if row.get("best_step") is None:
         return None
     plan = TrialPlan(study, str(row["trial_name"]), str(row.get("round")))
-    uri = plan.predictions_uri("validation-sample", int(row["best_step"]))
-    if not storage.exists(uri):
-        return None
-    table = pq.read_table(io.BytesIO(storage.read_bytes(uri)))
-    column = f"metric/{metric_name}"
-    if column not in table.column_names:
-        return None
-    return table[column].to_numpy(), table["weight"].to_numpy()
+    for split in ("validation-sample", "validation"):
+        uri = plan.predictions_uri(split, int(row["best_step"]))
+        if storage.exists(uri):
+            table = pq.read_table(io.BytesIO(storage.read_bytes(uri)))
+            column = f"metric/{metric_name}"
+            if column not in table.column_names:
+                return None
+            return split, table[column].to_numpy(), table["weight"].to_numpy()
+    return None
 
 
 # ----------------------------------------------------------------------------- budget
