@@ -371,7 +371,7 @@ def cmd_demo(args) -> int:
 
 def print_table(rows: list[dict], metric: str, mode: str) -> None:
     hp_cols = sorted({k for r in rows for k in r if k.startswith("hp/")})
-    cols = ["trial_name", "status", "step", *hp_cols, "best_metric", "best_step"]
+    cols = ["trial_name", "status", "step", "seed", *hp_cols, "best_metric", "best_step"]
     header = [c.removeprefix("hp/") for c in cols]
     header[cols.index("best_metric")] = f"best {metric}"
     lines = [[cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: r["trial_name"])]

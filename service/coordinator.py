@@ -14,7 +14,7 @@ from service import observe, spec, storage
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.errors import PlaybookError
 from service.progress import ProgressLimiter
-from service.rounds import plan_round
+from service.rounds import plan_round, row_fields
 from service.spec import Round, Study
 from service.tracking import TrialTable
 from service.trial_events import DONE, TrialEvents
@@ -129,8 +129,7 @@ class Coordinator:
                     round=rnd.name,
                     status="PENDING",
                     max_train_steps=c["max_train_steps"],
-                    **{f"hp/{k}": v for k, v in c["hparams"].items()},
-                    **{k: c[k] for k in ("seed", "extended_from", "schedule_origin") if k in c},
+                    **row_fields(c),
                 )
         self.table.save()
         # The trial table, not Tune's experiment state, says what is done: Tune snapshots its

@@ -16,7 +16,7 @@ import ray.tune
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
-from service import fast_path, spec, storage
+from service import fast_path, storage
 from service.analysis.input_bound import trial_input_row
 from service.errors import CheckpointError
 from service.spec import Study
@@ -195,15 +195,7 @@ def tune_trial(config: dict, study: Study) -> None:
     """One Tune trial = one Ray Train run (or, for one worker, the loop in this process). Its
     last Tune report is the trial summary."""
     c = config["trial"]
-    plan = TrialPlan(
-        study=study,
-        trial_name=c["trial_name"],
-        round_name=c["round"],
-        hparams=c["hparams"],
-        max_train_steps=c["max_train_steps"],
-        seed=c.get("seed"),
-        schedule=spec.schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
-    )
+    plan = TrialPlan.from_config(study, c)
     if is_fast_path(study.scaling):
         kept = fast_path.train_in_trial(plan, batch_source(study))
         summary = summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))

@@ -3,8 +3,11 @@
 quasi_random (round 1, exploration): scrambled Halton points over the search space.
 extend (round 2 and later, the playbook's "how long to train"): the best finished trial of the
 source round, rerun `num_trials` times with seeds training.seed, +1, ... for `step_multiplier`
-times longer, with the learning-rate schedule extended by `schedules.extend`. Each config
-records where its schedule came from.
+times longer, with the learning-rate schedule that trial ran (its row's `schedule/*` columns,
+for its own max_train_steps) extended by `schedules.extend`, so a third round keeps round 1's
+linear decay length and cosine base LR. Every config names its trial's schedule and seed, and
+an extended one records where its schedule came from; `row_fields` is what the trial row
+records of it.
 """
 
 from __future__ import annotations
@@ -12,53 +15,71 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from service import schedules
 from service.errors import PlaybookError
-from service.schedules import extend
 from service.search import quasi_random_configs
-from service.spec import Round, Study
+from service.spec import Round, Schedule, Study, schedule_from_dict
 
 
 def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     """Trial configs named `<round>-<index>`; `rows` are the study's trial rows so far."""
-    steps = study.round_steps(rnd)
+    if rnd.kind == "extend":
+        return _extend(study, rnd, rows)
     if rnd.kind == "grid":
-        return [_config(rnd, i, hp, steps) for i, hp in enumerate(grid_configs(study.search))]
-    if rnd.kind == "quasi_random":
-        points = quasi_random_configs(study.search, rnd.num_trials, rnd.seed)
-        return [_config(rnd, i, hp, steps) for i, hp in enumerate(points)]
+        points = grid_configs(study.search)
+    else:
+        points = quasi_random_configs(study.search, rnd.num_trials, rnd.sequence_seed)
+    base = study.training.schedule
+    return [
+        _config(rnd, i, hp, study.round_steps(rnd), study.training.seed, schedules.for_trial(base, hp))
+        for i, hp in enumerate(points)
+    ]
 
+
+def _extend(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     source = study.source_round(rnd)
     best = best_finished(rows, source.name, study.training.mode)
     if best is None:
         raise PlaybookError(f"round {rnd.name}: round {source.name} has no finished trial to extend")
     hparams = {k.removeprefix("hp/"): v for k, v in best.items() if k.startswith("hp/")}
-    old_steps = study.round_steps(source)
-    schedule = extend(study.training.schedule, old_steps, steps)
-    kind, source_trial = study.training.schedule.kind, best["trial_name"]
-    origin = {
-        "extended_from": source_trial,
-        "schedule_origin": f"{kind} schedule of {source_trial} ({old_steps} steps) extended to {steps} steps",
-    }
+    # The schedule the trial ran, for as long as it ran (a row from before rows recorded a
+    # schedule: the study's with the row's hyperparameters, and the origin says so).
+    recorded = schedules.from_columns(best)
+    old = recorded or schedules.for_trial(study.training.schedule, hparams)
+    old_steps = best.get("max_train_steps") or study.round_steps(source)
+    steps, name = study.round_steps(rnd), best["trial_name"]
+    origin = schedules.describe_extension(name, old, old_steps, steps)
+    if recorded is None:
+        origin += " (its row records no schedule: taken as the study's with its hyperparameters)"
+    new = schedules.extend(old, old_steps, steps)
     return [
         _config(
-            rnd,
-            i,
-            hparams,
-            steps,
-            seed=study.training.seed + i,
-            schedule=dataclasses.asdict(schedule),
-            **origin,
+            rnd, i, hparams, steps, study.training.seed + i, new, extended_from=name, schedule_origin=origin
         )
         for i in range(rnd.num_trials)
     ]
 
 
-def _config(rnd: Round, index: int, hparams: dict, steps: int, **extra) -> dict:
+def row_fields(config: dict) -> dict:
+    """What a trial's row records of its config: hyperparameters as `hp/<name>`, the schedule
+    as `schedule/<field>`, its seed and (extended) where it came from."""
+    return {
+        **{f"hp/{k}": v for k, v in config["hparams"].items()},
+        **schedules.to_columns(schedule_from_dict(config["schedule"])),
+        **{k: config[k] for k in ("seed", "extended_from", "schedule_origin") if k in config},
+    }
+
+
+def _config(
+    rnd: Round, index: int, hparams: dict, steps: int, seed: int, schedule: Schedule, **extra
+) -> dict:
     return {
         "trial_name": f"{rnd.name}-{index:04d}",
         "round": rnd.name,
         "hparams": hparams,
         "max_train_steps": steps,
+        "seed": seed,
+        "schedule": dataclasses.asdict(schedule),
         **extra,
     }
 

@@ -24,8 +24,13 @@ from service.strict import non_negative as _non_negative
 from service.strict import positive as _positive
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# Schedule fields a hyperparameter may set for its trial (searched or fixed in `search`).
+SCHEDULE_HPARAMS = ("warmup_steps", "decay_steps", "final_lr_fraction")
+# The optimizers that read each optimizer-specific hyperparameter.
+READ_BY_OPTIMIZERS = {"momentum": ("sgd_momentum", "nesterov"), "beta1": ("adamw",), "beta2": ("adamw",)}
 # Hyperparameters the trainer itself consumes; every other name goes to the workload.
-OPTIMIZER_HPARAMS = ("learning_rate", "momentum", "weight_decay", "beta1", "beta2", "warmup_steps")
+OPTIMIZER_HPARAMS = ("learning_rate", "weight_decay", *READ_BY_OPTIMIZERS, *SCHEDULE_HPARAMS)
+DEFAULT_STEP_MULTIPLIER = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,10 @@ class Training:
     `full_eval_every_steps`, and the sample's bias is checked there."""
     full_eval_every_steps: int | None = None
     """With `validation_sample_size`: also evaluate the full validation set this often."""
+    train_eval_sample_size: int | None = None
+    """Also evaluate a fixed sample of this many training examples (all of them if fewer) at
+    every eval point, in eval mode like validation: `train_eval/<metric>` in the metrics log.
+    How well the model fits the training set; `playbook find-steps` sets it."""
     num_checkpoints_to_keep: int = 3
     """Keep the N best checkpoints by `metric` (plus the latest, for resuming)."""
     metric: str = "validation/error"
@@ -140,7 +149,7 @@ class Training:
                     f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size}); "
                     "set eval_batch_size_reason to allow it",
                 )
-        yield from _positive(self, "validation_sample_size", "full_eval_every_steps")
+        yield from _positive(self, "validation_sample_size", "full_eval_every_steps", "train_eval_sample_size")
         if self.full_eval_every_steps is not None and self.validation_sample_size is None:
             yield "full_eval_every_steps", "only applies with validation_sample_size"
         if self.eval_every_steps > self.max_train_steps:
@@ -214,6 +223,14 @@ class HParam:
     def searched(self) -> bool:
         return self.role != "fixed"
 
+    @property
+    def extremes(self) -> tuple[Scalar, ...]:
+        """The values that bound what a trial can get: the fixed value, every choice, or the
+        range's two ends."""
+        if self.role == "fixed":
+            return (self.value,)
+        return tuple(self.values) if self.type == "choice" else (self.min, self.max)
+
 
 @dataclass(frozen=True)
 class Round:
@@ -231,23 +248,37 @@ class Round:
     """At most this many trials at once; 0 = as many as the cluster's resources allow."""
     max_train_steps: int | None = None
     """Override of `training.max_train_steps` for this round."""
-    seed: int = 0
-    """Seed of the quasi-random sequence (its scrambling)."""
+    seed: int | None = None
+    """quasi_random only: seed of the quasi-random sequence (its scrambling; default 0)."""
     from_round: str | None = None
     """extend only: the round whose best trial is extended (default: the previous round)."""
-    step_multiplier: float = 2.0
-    """extend only: max_train_steps of the source round times this (unless max_train_steps)."""
+    step_multiplier: float | None = None
+    """extend only: max_train_steps of the trial it extends times this (default 2); not with
+    max_train_steps."""
     trials_per_tune_run: int = 0
     """The round runs as consecutive Ray Tune runs of at most this many trials, because Tune
     keeps ~185 KB per trial in its process until the run ends; 0 = max(512, 32 x the
     round's concurrency), which bounds that memory and idles slots only at a run's tail."""
 
+    @property
+    def sequence_seed(self) -> int:
+        return self.seed or 0
+
+    @property
+    def multiplier(self) -> float:
+        return DEFAULT_STEP_MULTIPLIER if self.step_multiplier is None else self.step_multiplier
+
     def errors(self):
         if not NAME_RE.match(self.name):
             yield "name", f"must match {NAME_RE.pattern} (got {self.name!r})"
         yield from _positive(self, "num_trials", "step_multiplier")
-        if self.kind != "extend" and self.from_round is not None:
-            yield "from_round", "only applies to kind: extend"
+        for name in ("from_round", "step_multiplier"):
+            if self.kind != "extend" and getattr(self, name) is not None:
+                yield name, f"only applies to kind: extend (kind is {self.kind})"
+        if self.kind != "quasi_random" and self.seed is not None:
+            yield "seed", f"only applies to kind: quasi_random (kind is {self.kind})"
+        if self.step_multiplier is not None and self.max_train_steps is not None:
+            yield "step_multiplier", "give max_train_steps or step_multiplier, not both"
         yield from _non_negative(self, "max_concurrent_trials", "seed", "trials_per_tune_run")
         if self.max_train_steps is not None and self.max_train_steps <= 0:
             yield "max_train_steps", f"must be > 0 (got {self.max_train_steps})"
@@ -290,6 +321,25 @@ class Study:
             yield "search", "must define learning_rate (searched or fixed)"
         if not self.rounds:
             yield "rounds", "must list at least one round"
+        earlier = [*self._round_errors(), *self._hparam_errors()]
+        yield from earlier
+        if not earlier:  # the lengths need well-formed rounds and schedule hyperparameters
+            yield from self._schedule_length_errors()
+        yield from self.budget.plan_errors(self) if self.budget else ()
+        if self.training.batch_size % self.scaling.world_size:
+            yield (
+                "training.batch_size",
+                (
+                    f"must be divisible by num_hosts * workers_per_host "
+                    f"({self.training.batch_size} % {self.scaling.world_size} != 0)"
+                ),
+            )
+        if self.training.resolved_eval_batch_size % self.scaling.world_size:
+            yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
+        if self.training.ghost_batch_norm:
+            yield from _ghost_batch_errors(self.training, self.scaling.world_size)
+
+    def _round_errors(self):
         names = [r.name for r in self.rounds]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -307,32 +357,78 @@ class Study:
                 yield f"rounds[{i}].kind", "the first round cannot extend another round"
             elif r.from_round is not None and r.from_round not in names[:i]:
                 yield f"rounds[{i}].from_round", f"no earlier round named {r.from_round!r}"
-        schedule = self.training.schedule
-        for i, r in enumerate(self.rounds):
-            if r.max_train_steps is not None and (
-                schedule.warmup_steps >= r.max_train_steps
-                or schedule.warmup_steps + (schedule.decay_steps or 0) > r.max_train_steps
-            ):
+
+    def _hparam_errors(self):
+        """A hyperparameter the trainer would not read: an optimizer's own one with another
+        optimizer, a schedule field the schedule's kind has no use for (or one also set in
+        training.schedule, which it would override). Schedule fields must be step counts or
+        fractions."""
+        tr, schedule = self.training, self.training.schedule
+        for name, hp in self.search.items():
+            readers = READ_BY_OPTIMIZERS.get(name, (tr.optimizer,))
+            if tr.optimizer not in readers:
                 yield (
-                    f"rounds[{i}].max_train_steps",
+                    f"search.{name}",
+                    f"not read by optimizer {tr.optimizer} (only by {', '.join(readers)})",
+                )
+            if name not in SCHEDULE_HPARAMS:
+                continue
+            default = getattr(Schedule(), name)
+            if getattr(schedule, name) != default:
+                yield (
+                    f"search.{name}",
+                    f"also set in training.schedule.{name}, which this would override (set it in one place)",
+                )
+            if name == "decay_steps" and schedule.kind != "linear":
+                yield (
+                    f"search.{name}",
+                    f"only applies to training.schedule.kind linear (kind is {schedule.kind})",
+                )
+            if name == "final_lr_fraction" and schedule.kind == "constant":
+                yield (
+                    f"search.{name}",
+                    "a constant schedule does not decay (training.schedule.kind is constant)",
+                )
+            yield from ((f"search.{name}", m) for m in _schedule_value_errors(name, hp))
+
+    def _schedule_length_errors(self):
+        """Every round leaves room for the longest warmup (and, linear, warmup + decay) any of
+        its trials can get; an extend round of a linear schedule is at least as long as the
+        trial it extends (the decay phase keeps its length)."""
+        w_field, w = self._longest("warmup_steps")
+        d_field, d = self._longest("decay_steps")
+        linear = self.training.schedule.kind == "linear"
+        for i, r in enumerate(self.rounds):
+            steps = self.round_steps(r)
+            derived = r.kind == "extend" and r.max_train_steps is None
+            here = f"rounds[{i}].{'step_multiplier' if derived else 'max_train_steps'}"
+            searched = [f for f in (w_field, d_field) if f.startswith("search.")]
+            if w >= steps:
+                yield (
+                    w_field if w_field in searched else here,
+                    f"the longest warmup ({w}) must be < max_train_steps of round {r.name} ({steps})",
+                )
+            elif linear and d and w + d > steps:
+                yield (
+                    (searched or [here])[0],
+                    f"warmup + decay_steps (up to {w} + {d}) must be <= max_train_steps of round "
+                    f"{r.name} ({steps})",
+                )
+            elif linear and r.kind == "extend" and not d and steps < self.round_steps(self.source_round(r)):
+                yield (
+                    here,
                     (
-                        f"must be > training.schedule.warmup_steps and >= warmup_steps + decay_steps "
-                        f"(got {r.max_train_steps})"
+                        f"round {r.name} ({steps} steps) is shorter than the round it extends "
+                        f"({self.round_steps(self.source_round(r))}), whose linear decay it must keep"
                     ),
                 )
-        yield from self.budget.plan_errors(self) if self.budget else ()
-        if self.training.batch_size % self.scaling.world_size:
-            yield (
-                "training.batch_size",
-                (
-                    f"must be divisible by num_hosts * workers_per_host "
-                    f"({self.training.batch_size} % {self.scaling.world_size} != 0)"
-                ),
-            )
-        if self.training.resolved_eval_batch_size % self.scaling.world_size:
-            yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
-        if self.training.ghost_batch_norm:
-            yield from _ghost_batch_errors(self.training, self.scaling.world_size)
+
+    def _longest(self, name: str) -> tuple[str, int]:
+        """The largest value of a schedule field any trial can get, and the field that sets it."""
+        hp = self.search.get(name)
+        if hp is None:
+            return f"training.schedule.{name}", getattr(self.training.schedule, name) or 0
+        return f"search.{name}", max(int(v) for v in hp.extremes)
 
     def round_steps(self, rnd: Round) -> int:
         """max_train_steps of a round: its override, else (extend) the source round's times
@@ -340,7 +436,7 @@ class Study:
         if rnd.max_train_steps:
             return rnd.max_train_steps
         if rnd.kind == "extend":
-            return max(1, round(self.round_steps(self.source_round(rnd)) * rnd.step_multiplier))
+            return max(1, round(self.round_steps(self.source_round(rnd)) * rnd.multiplier))
         return self.training.max_train_steps
 
     def source_round(self, rnd: Round) -> Round:
@@ -359,6 +455,28 @@ class Study:
     @property
     def study_uri(self) -> str:
         return self.storage.rstrip("/") + "/" + self.name
+
+
+def _schedule_value_errors(name: str, hp: HParam):
+    """warmup_steps and decay_steps are step counts (ints, decay > 0); final_lr_fraction is a
+    number in [0, 1]."""
+    if name in ("warmup_steps", "decay_steps"):
+        if hp.searched and hp.type == "float":
+            yield "a step count: must be type int or a choice of integers (type is float)"
+            return
+        values = hp.extremes
+        if any(isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) for v in values):
+            yield f"a step count: every value must be an integer (got {', '.join(map(str, values))})"
+            return
+        low = 1 if name == "decay_steps" else 0
+        if min(values) < low:
+            yield f"must be >= {low} (got {min(values)})"
+        return
+    values = hp.extremes
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
+        yield f"must be a number (got {', '.join(map(str, values))})"
+    elif not all(0 <= v <= 1 for v in values):
+        yield f"a fraction of the base learning rate: must be in [0, 1] (got {', '.join(map(str, values))})"
 
 
 def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) -> bool:

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import storage
-from service.spec import Schedule, Study
+from service import schedules, storage
+from service.spec import Schedule, Study, schedule_from_dict
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,26 @@ class TrialPlan:
     seed: int | None = None
     """Overrides training.seed (extend rounds rerun one configuration with several seeds)."""
     schedule: Schedule | None = None
-    """Overrides training.schedule (the extended schedule of an extend round)."""
+    """The trial's schedule as its round planned it (an extend round's: the extended one);
+    None: training.schedule with the schedule fields of `hparams`."""
+
+    @classmethod
+    def from_config(cls, study: Study, c: dict) -> TrialPlan:
+        """The plan of a trial config of `rounds.plan_round` (what each Tune trial trains)."""
+        return cls(
+            study=study,
+            trial_name=c["trial_name"],
+            round_name=c["round"],
+            hparams=c["hparams"],
+            max_train_steps=c["max_train_steps"],
+            seed=c.get("seed"),
+            schedule=schedule_from_dict(c["schedule"]) if c.get("schedule") else None,
+        )
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of the optimizer update numbered `step` (0-based)."""
+        steps = self.max_train_steps or self.study.training.max_train_steps
+        return float(self.hparams["learning_rate"]) * schedules.lr_factor(step, steps, self.lr_schedule)
 
     @property
     def trial_seed(self) -> int:
@@ -29,7 +48,7 @@ class TrialPlan:
 
     @property
     def lr_schedule(self) -> Schedule:
-        return self.schedule or self.study.training.schedule
+        return self.schedule or schedules.for_trial(self.study.training.schedule, self.hparams)
 
     @property
     def trial_uri(self) -> str:

@@ -42,7 +42,7 @@ FULL = {
         "mode": "min",
         "seed": 42,
         "optimizer": "adamw",
-        "schedule": {"kind": "linear", "warmup_steps": 50, "decay_steps": 300, "final_lr_fraction": 0.01},
+        "schedule": {"kind": "linear", "decay_steps": 300, "final_lr_fraction": 0.01},
         "ghost_batch_norm": True,
         "virtual_batch_size": 32,
     },
@@ -98,8 +98,9 @@ def test_defaults_are_applied():
     assert (hp.type, hp.scale, hp.values, hp.value) == ("float", "linear", None, None)
     assert isinstance(hp.max, float) and hp.max == 1.0  # an int bound of a float range becomes a float
     assert s.rounds[0] == spec.Round(
-        name="r1", num_trials=4, kind="quasi_random", max_concurrent_trials=0, max_train_steps=None, seed=0
+        name="r1", num_trials=4, kind="quasi_random", max_concurrent_trials=0, max_train_steps=None, seed=None
     )
+    assert s.rounds[0].sequence_seed == 0  # unset: the quasi-random sequence's seed is 0
     assert s.study_uri == "./playbook-studies/tiny"
 
 
@@ -296,6 +297,164 @@ BAD = [
     ("learning-rate-missing", _set("search.learning_rate", DELETE), "search"),
 ]
 
+# Hyperparameters and round fields nothing would read (or that could not run), each refused
+# with the field's name and why. The demo: nesterov, cosine schedule with warmup 20, 300 steps,
+# rounds explore (quasi_random) and exploit (extend x2).
+WARMUP = {"role": "nuisance", "type": "int", "min": 1, "max": 40}
+NO_SCHEDULE_WARMUP = _set("training.schedule.warmup_steps", DELETE)
+UNREAD = [
+    # (id, change, dotted path, words the reason must contain)
+    (
+        "momentum-with-adamw",
+        _set("training.optimizer", "adamw"),
+        "search.momentum",
+        "not read by optimizer adamw (only by sgd_momentum, nesterov)",
+    ),
+    (
+        "beta1-with-nesterov",
+        _set("search.beta1", {"role": "fixed", "value": 0.9}),
+        "search.beta1",
+        "not read by optimizer nesterov (only by adamw)",
+    ),
+    (
+        "beta2-with-sgd",
+        _both(
+            _set("training.optimizer", "sgd_momentum"), _set("search.beta2", {"role": "fixed", "value": 0.99})
+        ),
+        "search.beta2",
+        "not read by optimizer sgd_momentum",
+    ),
+    (
+        "warmup-searched-and-in-schedule",
+        _set("search.warmup_steps", WARMUP),
+        "search.warmup_steps",
+        "also set in training.schedule.warmup_steps",
+    ),
+    (
+        "warmup-float",
+        _both(NO_SCHEDULE_WARMUP, _set("search.warmup_steps", {"role": "nuisance", "min": 1, "max": 40})),
+        "search.warmup_steps",
+        "a step count",
+    ),
+    (
+        "warmup-fractional-choice",
+        _both(NO_SCHEDULE_WARMUP, _set("search.warmup_steps", {"role": "fixed", "value": 2.5})),
+        "search.warmup_steps",
+        "must be an integer",
+    ),
+    (
+        "warmup-negative",
+        _both(NO_SCHEDULE_WARMUP, _set("search.warmup_steps", {**WARMUP, "min": -1})),
+        "search.warmup_steps",
+        "must be >= 0",
+    ),
+    (
+        "warmup-max-reaches-round-1",
+        _both(NO_SCHEDULE_WARMUP, _set("search.warmup_steps", {**WARMUP, "max": 300})),
+        "search.warmup_steps",
+        "the longest warmup (300) must be < max_train_steps of round explore (300)",
+    ),
+    (
+        "warmup-max-reaches-a-shorter-extend-round",
+        _both(
+            NO_SCHEDULE_WARMUP,
+            _set("search.warmup_steps", {**WARMUP, "max": 200}),
+            _set("rounds.1.step_multiplier", 0.5),
+        ),
+        "search.warmup_steps",
+        "the longest warmup (200) must be < max_train_steps of round exploit (150)",
+    ),
+    (
+        "decay-steps-with-cosine",
+        _set("search.decay_steps", {"role": "fixed", "value": 50}),
+        "search.decay_steps",
+        "only applies to training.schedule.kind linear (kind is cosine)",
+    ),
+    (
+        "final-fraction-with-constant",
+        _both(
+            _set("training.schedule.kind", "constant"),
+            _set("search.final_lr_fraction", {"role": "nuisance", "min": 0.0, "max": 0.1}),
+        ),
+        "search.final_lr_fraction",
+        "a constant schedule does not decay",
+    ),
+    (
+        "final-fraction-in-constant-schedule",
+        _both(_set("training.schedule.kind", "constant"), _set("training.schedule.final_lr_fraction", 0.1)),
+        "training.schedule.final_lr_fraction",
+        "a constant schedule does not decay",
+    ),
+    (
+        "final-fraction-above-one",
+        _set("search.final_lr_fraction", {"role": "nuisance", "min": 0.0, "max": 1.5}),
+        "search.final_lr_fraction",
+        "must be in [0, 1]",
+    ),
+    (
+        "searched-decay-too-long",
+        _both(
+            _set("training.schedule.kind", "linear"),
+            _set("search.decay_steps", {"role": "nuisance", "type": "int", "min": 10, "max": 290}),
+        ),
+        "search.decay_steps",
+        "warmup + decay_steps (up to 20 + 290) must be <= max_train_steps of round explore (300)",
+    ),
+    (
+        "linear-extend-shorter-than-its-source",
+        _both(_set("training.schedule.kind", "linear"), _set("rounds.1.step_multiplier", 0.5)),
+        "rounds[1].step_multiplier",
+        "shorter than the round it extends (300), whose linear decay it must keep",
+    ),
+    (
+        "step-multiplier-on-quasi-random",
+        _set("rounds.0.step_multiplier", 3),
+        "rounds[0].step_multiplier",
+        "only applies to kind: extend (kind is quasi_random)",
+    ),
+    (
+        "from-round-on-quasi-random",
+        _set("rounds.0.from_round", "explore"),
+        "rounds[0].from_round",
+        "only applies to kind: extend",
+    ),
+    (
+        "seed-on-extend",
+        _set("rounds.1.seed", 4),
+        "rounds[1].seed",
+        "only applies to kind: quasi_random (kind is extend)",
+    ),
+    (
+        "step-multiplier-and-max-steps",
+        _set("rounds.1.max_train_steps", 900),
+        "rounds[1].step_multiplier",
+        "give max_train_steps or step_multiplier, not both",
+    ),
+]
+
+
+@pytest.mark.parametrize("change,path,why", [u[1:] for u in UNREAD], ids=[u[0] for u in UNREAD])
+def test_unread_or_impossible_hyperparameters_are_refused(raw, change, path, why):
+    change(raw)
+    with pytest.raises(SpecError) as e:
+        spec.load_dict(raw)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and why in msg and "\n" not in msg, msg
+
+
+def test_schedule_hyperparameters_that_are_read_are_accepted(raw):
+    del raw["training"]["schedule"]["warmup_steps"]
+    raw["training"]["schedule"]["kind"] = "linear"
+    raw["search"]["warmup_steps"] = {"role": "nuisance", "type": "int", "min": 0, "max": 100}
+    raw["search"]["decay_steps"] = {"role": "nuisance", "type": "choice", "values": [50, 200]}
+    raw["search"]["final_lr_fraction"] = {"role": "fixed", "value": 0}
+    s = spec.load_dict(raw)  # 100 + 200 <= 300; the extend round (600) is longer
+    assert s.searched_hparams["warmup_steps"].max == 100
+    raw["training"]["optimizer"] = "adamw"
+    del raw["search"]["momentum"]
+    raw["search"]["beta1"] = {"role": "nuisance", "min": 0.8, "max": 0.95}
+    assert spec.load_dict(raw).training.optimizer == "adamw"
+
 
 @pytest.mark.parametrize("change,path", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_value_names_dotted_path(raw, change, path):
@@ -423,6 +582,7 @@ CLI_CASES = {
     "valid": (None, None),
     "unknown-key": (_set("training.evl_every_steps", 10), "training.evl_every_steps"),
     "unknown-hparam": (_set("search.dropout", {"role": "fixed", "value": 0.1}), "search.dropout"),
+    "momentum-with-adamw": (_set("training.optimizer", "adamw"), "search.momentum"),
     "malformed-yaml": ("name: demo\ntraining: [\n", "{file}"),
 }
 
@@ -516,7 +676,9 @@ def test_a_rerun_may_change_how_trials_run_but_not_what_they_compute(tmp_path):
         tracking=dataclasses.replace(study.tracking, progress_interval_s=1.0),
     )
     check_same_study(bigger)  # resumes: same trials, run on more slots
-    reseeded = dataclasses.replace(bigger, rounds=(dataclasses.replace(first, seed=first.seed + 1), *rest))
+    reseeded = dataclasses.replace(
+        bigger, rounds=(dataclasses.replace(first, seed=first.sequence_seed + 1), *rest)
+    )
     with pytest.raises(SpecError, match=r"different rounds\[0\]\.seed; rerun it unchanged"):
         check_same_study(reseeded)
     longer = dataclasses.replace(study, training=dataclasses.replace(study.training, max_train_steps=7))

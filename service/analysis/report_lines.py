@@ -6,7 +6,7 @@ from __future__ import annotations
 from service.analysis.input_bound import row_verdicts
 from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
-from service.analysis.verdicts import Verdict
+from service.analysis.verdicts import Verdict, fmt, ranked_results
 from service.spec import Study
 
 
@@ -17,11 +17,29 @@ def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
     verdicts = verdicts_for_round(study, round_name, rows)
     verdicts += row_verdicts(mine)
     groups = best_per_scientific(mine, study.search, study.training.mode)
-    return {
-        "round": round_name,
-        "verdicts": [as_dict(v) for v in verdicts],
-        "scientific": summary_sentence(groups, study.training.metric) if groups else "",
-    }
+    if next(r.kind for r in study.rounds if r.name == round_name) == "extend":
+        sentence = repeats_sentence(mine, study.training.metric, study.training.mode)
+    else:
+        sentence = summary_sentence(groups, study.training.metric) if groups else ""
+    return {"round": round_name, "verdicts": [as_dict(v) for v in verdicts], "scientific": sentence}
+
+
+def repeats_sentence(rows: list[dict], metric: str, mode: str) -> str:
+    """An extend round reruns one trial's configuration with different seeds: its best result
+    is the best of that many seed repeats, e.g. "The best trial is exploit-0001 (seed 1,
+    validation/error 0.02; best of 2 seed repeats of explore-0003, seeds 0, 1)"."""
+    done = ranked_results(rows, mode)
+    if not done:
+        return ""
+    best, n = done[0], len(done)
+    source = ", ".join(sorted({str(r["extended_from"]) for r in rows if r.get("extended_from")}))
+    seeds = ", ".join(fmt(s) for s in sorted(r["seed"] for r in done if r.get("seed") is not None))
+    of = f"best of {n} seed repeats" if n > 1 else "the only finished seed repeat"
+    return (
+        f"The best trial is {best['trial_name']} (seed {fmt(best.get('seed'))}, {metric} "
+        f"{fmt(best['best_metric'])}; {of} of {source or 'one configuration'}, "
+        f"seed{'s' if n > 1 else ''} {seeds or '-'})"
+    )
 
 
 def as_dict(v: Verdict) -> dict:

@@ -36,7 +36,7 @@ def _link(uri: str | None) -> str:
 def trial_columns(rows: list[dict]) -> list[str]:
     hps = sorted({k for r in rows for k in r if k.startswith("hp/")})
     return [
-        "trial_name", "round", "status", "step", "max_train_steps", *hps,
+        "trial_name", "round", "status", "step", "max_train_steps", "seed", *hps,
         "best_metric", "best_step", "step_verdict", "diverged_at_step", "best_checkpoint",
     ]  # fmt: skip
 

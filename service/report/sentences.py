@@ -40,7 +40,8 @@ def divergence_sentences(data: StudyData) -> list[Sentence]:
     out = []
     for r in diverged:
         hps = ", ".join(
-            f"{k.removeprefix('hp/')}={fmt(v)}" for k, v in sorted(r.items()) if k.startswith("hp/")
+            [f"{k.removeprefix('hp/')}={fmt(v)}" for k, v in sorted(r.items()) if k.startswith("hp/")]
+            + ([f"seed={fmt(r['seed'])}"] if r.get("seed") is not None else [])
         )
         at = r.get("diverged_at_step")
         out.append(

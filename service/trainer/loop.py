@@ -29,7 +29,6 @@ from service.evaluation.run import evaluate
 from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
-from service.schedules import lr_factor
 from service.topology import Topology, data_seed, init_seed
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
@@ -231,7 +230,6 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     )
     rank0.run(topology_record.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
 
-    base_lr = float(plan.hparams["learning_rate"])
     tally = StepTally(device)
     sync_debug = step_sync_debug(study.input, device)
     # steps_per_s: the clock of the first interval starts once the first batch is in hand
@@ -247,7 +245,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         first_step=step + 1,
     )
     while step < max_steps:
-        lr = base_lr * lr_factor(step, max_steps, plan.lr_schedule)
+        lr = plan.learning_rate(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         rank0.run(profiler.before_step, step)
