@@ -106,21 +106,26 @@ class Budget:
     """compute-bound only (required there): training steps the whole study may spend, summed
     over every trial of every round (num_trials x the round's max_train_steps); a plan over it
     is refused."""
-    first_round_share: float = 0.5
+    first_round_share: float | None = None
     """compute-bound only: the fraction of `max_total_steps` round 1 may spend, leaving the rest
-    for the longer rounds after it. The playbook gives no number; half is this service's
-    default. A plan over it is warned about at validate, and round 1's verdicts say when it
-    spent more."""
+    for the longer rounds after it (default 0.5: the playbook gives no number; half is this
+    service's choice). A plan over it is warned about at validate, and round 1's verdicts say
+    when it spent more."""
+
+    @property
+    def round_one_share(self) -> float:
+        return 0.5 if self.first_round_share is None else self.first_round_share
 
     def errors(self):
         if not self.compute_bound:
-            if self.max_total_steps is not None:
-                yield "max_total_steps", "only applies with compute_bound: true"
+            for name in ("max_total_steps", "first_round_share"):
+                if getattr(self, name) is not None:
+                    yield name, "only applies with compute_bound: true"
             return
         if self.max_total_steps is None:
             yield "max_total_steps", "required with compute_bound: true"
         yield from positive(self, "max_total_steps")
-        if not 0 < self.first_round_share <= 1:
+        if self.first_round_share is not None and not 0 < self.first_round_share <= 1:
             yield "first_round_share", f"must be in (0, 1] (got {self.first_round_share})"
 
     def plan_errors(self, study):

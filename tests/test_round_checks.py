@@ -135,8 +135,17 @@ def test_first_evaluation_after_ten_percent_is_said():
 
 
 def test_compute_bound_late_best_steps_are_expected():
-    v = distribution(study_verdicts(LATE_ROUND, {}, "min", compute_bound=True))
+    late = [dict(r, best_step=900) for r in LATE_ROUND]  # the best trial late as well
+    verdicts = study_verdicts(late, {}, "min", compute_bound=True)
+    v = distribution(verdicts)
     assert v.severity == "ok" and "as expected when compute-bound" in v.message
+    (position,) = [v for v in verdicts if v.kind == "best_step_position"]
+    assert position.facts["position"] == "late" and position.severity == "ok"
+    assert "as expected when compute-bound" in position.message
+    assert [v.severity for v in study_verdicts(late, {}, "min") if v.kind.startswith("best")] == [
+        "warning",
+        "warning",
+    ]
 
 
 def test_no_results_no_distribution():
@@ -258,6 +267,9 @@ def test_budget_plan_over_the_budget_is_refused(tmp_path):
     d = study_dict(tmp_path)
     d["budget"] = {"compute_bound": False, "max_total_steps": 5000}
     with pytest.raises(SpecError, match=r"^budget.max_total_steps: only applies with compute_bound: true"):
+        spec.load_dict(d)
+    d["budget"] = {"compute_bound": False, "first_round_share": 0.3}
+    with pytest.raises(SpecError, match=r"^budget.first_round_share: only applies with compute_bound: true"):
         spec.load_dict(d)
     with pytest.raises(SpecError, match=r"^budget.first_round_share: must be in \(0, 1\]"):
         spec.load_dict(budget_study(tmp_path, max_total_steps=5000, first_round_share=1.5))

@@ -128,13 +128,13 @@ def budget_spent(study: Study, round_name: str, rows: list[dict]) -> Verdict:
     names = [r.name for r in study.rounds]
     done = names[: names.index(round_name) + 1]
     spent = sum(round_steps_spent(rows, name) for name in done)
-    facts = dict(spent=spent, max_total_steps=total, first_round_share=budget.first_round_share)
+    facts = dict(spent=spent, max_total_steps=total, first_round_share=budget.round_one_share)
     if round_name == names[0]:
-        share = budget.first_round_share * total
+        share = budget.round_one_share * total
         said = (
             f"Round {round_name} spent {spent} of the budget's {total} training steps "
             f"({_pct(spent / total)}); "
-            f"its share is {_pct(budget.first_round_share)} (budget.first_round_share)"
+            f"its share is {_pct(budget.round_one_share)} (budget.first_round_share)"
         )
         if spent > share:
             return _verdict(
@@ -214,14 +214,14 @@ def _budget_findings(study: Study) -> list[tuple[str, str, str]]:
     budget, rounds = study.budget, study.rounds
     out = []
     first = rounds[0].num_trials * study.round_steps(rounds[0])
-    share = budget.first_round_share * budget.max_total_steps
+    share = budget.round_one_share * budget.max_total_steps
     if first > share:
         out.append(
             (
                 "warning",
                 "budget.first_round_share",
                 f"round {rounds[0].name} plans {first} training steps, more than its share "
-                f"{_pct(budget.first_round_share)} of budget.max_total_steps {budget.max_total_steps} "
+                f"{_pct(budget.round_one_share)} of budget.max_total_steps {budget.max_total_steps} "
                 f"({math.floor(share)} steps)",
             )
         )

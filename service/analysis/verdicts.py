@@ -155,7 +155,9 @@ def _pct(x: float) -> str:
 # ----------------------------------------------------------------------------- best step
 
 
-def best_step_position(trial_name: str, best_step: int, max_train_steps: int) -> Verdict:
+def best_step_position(
+    trial_name: str, best_step: int, max_train_steps: int, compute_bound: bool = False
+) -> Verdict:
     """Where the best checkpoint of a trial falls in its training.
 
     Exactly (in exact rational arithmetic, so that the boundaries do not depend on rounding):
@@ -165,6 +167,8 @@ def best_step_position(trial_name: str, best_step: int, max_train_steps: int) ->
       retune the decay;
     * otherwise ok.
     So step 100 of 1000 is early, step 101 is not; step 750 of 1000 is not late, step 751 is.
+    With `compute_bound`, a late best step is what a budget that sets the length gives: ok,
+    and the message says a later, longer round is where training longer pays.
     Raises ValueError for max_train_steps <= 0 or a best_step outside [0, max_train_steps].
     """
     if max_train_steps <= 0:
@@ -187,6 +191,16 @@ def best_step_position(trial_name: str, best_step: int, max_train_steps: int) ->
             f"max_train_steps is probably too high (the best checkpoint of {trial_name} is at {where}, "
             "in the first 10% of training).",
             position="early",
+            **facts,
+        )
+    if step > LATE_FRACTION * total and compute_bound:
+        return _verdict(
+            "best_step_position",
+            trial_name,
+            OK,
+            f"The best checkpoint of {trial_name} is at {where}, in the last 25% of training, as expected "
+            "when compute-bound: a later, longer round is where training longer pays.",
+            position="late",
             **facts,
         )
     if step > LATE_FRACTION * total:
@@ -332,7 +346,7 @@ def study_verdicts(
         best = ranked[0]
         step, total = best.get("best_step"), best.get("max_train_steps")
         if step is not None and total is not None:
-            out.append(best_step_position(str(best.get("trial_name")), step, total))
+            out.append(best_step_position(str(best.get("trial_name")), step, total, compute_bound))
     spread = best_step_distribution(rows, mode, eval_every_steps, compute_bound)
     if spread is not None:
         out.append(spread)
