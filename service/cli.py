@@ -90,8 +90,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_study(path: str, storage_override: str | None = None) -> spec.Study:
+    from service import workloads
     from service.checks import check_workload, resolve_paths
 
+    workloads.use_import_path(workloads.import_path(path))  # a workload module of one's own
     study = resolve_paths(spec.load_file(path), storage_override)
     check_workload(study)
     return study
@@ -115,9 +117,12 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def connect_ray() -> None:
+def connect_ray(import_path: list[str] | None = None) -> None:
+    """Connect to RAY_ADDRESS or start an embedded Ray; every process of the job imports from
+    `import_path` first (a workload module of one's own, see `workloads.ray_env`)."""
     import ray
 
+    from service import workloads
     from service.coordinator import NAMESPACE
 
     if not ray.is_initialized():
@@ -126,7 +131,7 @@ def connect_ray() -> None:
             # other process happens to run on this machine (what address=None would join).
             address=os.environ.get("RAY_ADDRESS") or "local",
             namespace=NAMESPACE,
-            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **workloads.ray_env(import_path or [])}},
         )
 
 
@@ -142,7 +147,7 @@ def check_cluster(study: spec.Study) -> None:
 
 
 def cmd_run(args) -> int:
-    from service import provenance
+    from service import provenance, workloads
     from service.checks import check_data, check_same_study, check_storage
     from service.coordinator import run_study
 
@@ -153,16 +158,15 @@ def cmd_run(args) -> int:
     from service.mlflow_mirror import check_available
 
     check_available(study)
-    connect_ray()
+    paths = workloads.import_path(args.study_file)
+    connect_ray(paths)
     check_cluster(study)  # before anything is written
-    record = provenance.capture(os.getcwd(), study.study_uri)
+    record = provenance.capture(study.study_uri, study.workload, paths)
     from service.data.preprocess import record_in_study
 
     for line in record_in_study(study):
         print(line)
-    print(
-        f"provenance: commit {record['git_commit']}" + (" (dirty; diff saved)" if record["git_dirty"] else "")
-    )
+    print(provenance.summary(record))
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)
     print_verdicts(study.study_uri)
@@ -275,7 +279,9 @@ def cmd_find_steps(args) -> int:
     check_data(sweep)
     check_storage(sweep)
     check_same_study(sweep)
-    connect_ray()
+    from service import workloads
+
+    connect_ray(workloads.import_path(args.study_file))
     check_cluster(sweep)
     rows = run_study(sweep)
     threshold = study.find_steps.train_loss_threshold
@@ -292,7 +298,7 @@ def cmd_find_steps(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from service import storage
+    from service import provenance, storage, workloads
     from service.evaluation.offline import locate, output_uri, split_uri, stored_study
     from service.launch import run_offline_eval
 
@@ -305,7 +311,10 @@ def cmd_eval(args) -> int:
     checkpoint.verify(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
     study = stored_study(locate(uri)[0])
     split_uri(study, args.split)  # the split exists
-    connect_ray()
+    # The workload is imported as `playbook run` imported it (and from here).
+    paths = [*(provenance.read(locate(uri)[0]) or {}).get("import_path", []), os.path.abspath(os.getcwd())]
+    workloads.use_import_path(paths)
+    connect_ray(paths)
     run_offline_eval(uri, args.split, study)
     out = output_uri(uri, args.split)
     metrics = json.loads(storage.read_bytes(storage.join(out, "metrics.json")))
@@ -339,6 +348,8 @@ def cmd_data(args) -> int:
 def cmd_preprocess(args) -> int:
     from service import storage, workloads
     from service.data.preprocess import PROVENANCE_FILE, preprocess
+
+    workloads.use_import_path([os.path.abspath(os.getcwd())])
 
     dest = storage.absolute(args.dest)
     record = preprocess(
