@@ -186,6 +186,10 @@ def test_eval_noise_warns_when_the_standard_error_exceeds_the_gap_to_the_next_tr
     wide = [row("t0", 0.10, 500), row("t1", 0.15, 500)]
     assert eval_noise(wide, "min", "validation/error", 200, se, "binomial").severity == "ok"
     assert eval_noise(wide[:1], "min", "validation/error", 200, se, "binomial") is None
+    # a tie at 0 errors: a standard error of 0, and still the sample does not separate them
+    tie = [row("t0", 0.0, 500), row("t1", 0.0, 500), row("t2", 0.02, 500)]
+    v = eval_noise(tie, "min", "validation/error", 100, 0.0, "saved")
+    assert v.is_warning and "a tie: no sample size separates them" in v.message
 
 
 def write_sample_predictions(study, trial, step, values):

@@ -51,7 +51,8 @@ def eval_noise(
     """Is the standard error `se` of `metric` on the eval sample of `sample_size` examples
     smaller than the gap between the best result and the next one?
 
-    Warning when se > |best - next| (the sample cannot rank them); the message counts the
+    Warning when se > |best - next|, or when they tie (gap 0: the sample does not separate them,
+    whatever its standard error -- 0 for a trial without a single error); the message counts the
     other results within one standard error of the best and how many examples would bring the
     standard error down to that gap (se scales as 1/sqrt(n): n * (se / gap)^2). `source` says
     where se comes from. Fewer than 2 results, or a se that is not finite: None.
@@ -80,7 +81,7 @@ def eval_noise(
         f"the gap {fmt(gap)} between the best trial {best.get('trial_name')} ({fmt(b)}) and the next, "
         f"{nxt.get('trial_name')} ({fmt(float(nxt['best_metric']))})"
     )
-    if se <= gap:
+    if se <= gap and gap > 0:
         return _verdict("eval_noise", "study", OK, f"{measured}, no larger than {pair}.", **facts)
     if gap > 0:
         needed = (
