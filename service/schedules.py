@@ -37,8 +37,13 @@ def lr_factor(step: int, max_train_steps: int, schedule: Schedule) -> float:
 
 def for_trial(schedule: Schedule, hparams: dict) -> Schedule:
     """A trial's schedule: the study's, with the fields its hyperparameters set (searched or
-    fixed in `search`: warmup_steps, decay_steps, final_lr_fraction)."""
-    return dataclasses.replace(schedule, **{k: hparams[k] for k in SCHEDULE_HPARAMS if k in hparams})
+    fixed in `search`: warmup_steps, decay_steps, final_lr_fraction) where the schedule's kind
+    reads them (study validation refuses the others; a derived study such as the find-steps
+    sweep's constant schedule keeps only the warmup)."""
+    return dataclasses.replace(
+        schedule,
+        **{k: hparams[k] for k, kinds in SCHEDULE_HPARAMS.items() if k in hparams and schedule.kind in kinds},
+    )
 
 
 def to_columns(schedule: Schedule) -> dict:

@@ -24,8 +24,13 @@ from service.strict import non_negative as _non_negative
 from service.strict import positive as _positive
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-# Schedule fields a hyperparameter may set for its trial (searched or fixed in `search`).
-SCHEDULE_HPARAMS = ("warmup_steps", "decay_steps", "final_lr_fraction")
+# Schedule fields a hyperparameter may set for its trial (searched or fixed in `search`), and
+# the schedule kinds that read each.
+SCHEDULE_HPARAMS = {
+    "warmup_steps": ("constant", "linear", "cosine"),
+    "decay_steps": ("linear",),
+    "final_lr_fraction": ("linear", "cosine"),
+}
 # The optimizers that read each optimizer-specific hyperparameter.
 READ_BY_OPTIMIZERS = {"momentum": ("sgd_momentum", "nesterov"), "beta1": ("adamw",), "beta2": ("adamw",)}
 # Hyperparameters the trainer itself consumes; every other name goes to the workload.
@@ -87,6 +92,11 @@ class Schedule:
             yield "decay_steps", f"only applies to kind: linear (kind is {self.kind})"
         if self.final_lr_fraction > 1:
             yield "final_lr_fraction", f"must be <= 1 (got {self.final_lr_fraction})"
+        if self.final_lr_fraction and self.kind == "constant":
+            yield (
+                "final_lr_fraction",
+                "only applies to kind: linear or cosine (a constant schedule does not decay)",
+            )
 
 
 @dataclass(frozen=True)
@@ -379,15 +389,11 @@ class Study:
                     f"search.{name}",
                     f"also set in training.schedule.{name}, which this would override (set it in one place)",
                 )
-            if name == "decay_steps" and schedule.kind != "linear":
+            if schedule.kind not in SCHEDULE_HPARAMS[name]:
                 yield (
                     f"search.{name}",
-                    f"only applies to training.schedule.kind linear (kind is {schedule.kind})",
-                )
-            if name == "final_lr_fraction" and schedule.kind == "constant":
-                yield (
-                    f"search.{name}",
-                    "a constant schedule does not decay (training.schedule.kind is constant)",
+                    f"not read by a {schedule.kind} schedule (training.schedule.kind; only by "
+                    f"{', '.join(SCHEDULE_HPARAMS[name])})",
                 )
             yield from ((f"search.{name}", m) for m in _schedule_value_errors(name, hp))
 

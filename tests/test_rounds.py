@@ -302,3 +302,27 @@ def test_third_round_extends_the_schedule_of_the_trial_it_extends(kind, tmp_path
     if kind == "linear":
         assert int(np.sum(got[10:] < base)) == T1 - 10 - 1  # 90 decay updates, the first at the base LR
         assert {r["trial_name"]: r.get("schedule/decay_steps") for r in rows}["r3-0000"] == T1 - 10
+
+
+def test_find_steps_sweep_of_a_study_with_schedule_hyperparameters_plans_valid_schedules(tmp_path):
+    """The finder's sweep runs a constant schedule: a study's searched decay_steps and
+    final_lr_fraction (fixed at their middle there) are not read by it, and its trials' recorded
+    schedules stay valid constant ones; the searched warmup still warms each trial up."""
+    from service.find_steps import sweep_study
+    from service.trial import TrialPlan
+
+    raw = spec.to_dict(three_round_study(tmp_path, {"kind": "linear"}, THREE_ROUND_CASES["linear"][1]))
+    raw["search"]["decay_steps"] = {"role": "nuisance", "type": "int", "min": 10, "max": 50}
+    raw["find_steps"] = {
+        "learning_rates": [0.01, 0.1, 1.0],
+        "max_train_steps": 200,
+        "train_loss_threshold": 0.1,
+    }
+    sweep = sweep_study(spec.load_dict(raw))
+    for c in plan_round(sweep, sweep.rounds[0], []):
+        plan = TrialPlan.from_config(sweep, c)
+        w = c["hparams"]["warmup_steps"]
+        assert plan.lr_schedule == Schedule(kind="constant", warmup_steps=w)
+        assert schedules.from_columns(row_fields(c)) == plan.lr_schedule
+        lrs = [plan.learning_rate(s) / c["hparams"]["learning_rate"] for s in range(200)]
+        np.testing.assert_allclose(lrs, [min(1.0, (s + 1) / w) for s in range(200)], rtol=1e-12)

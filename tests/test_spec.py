@@ -368,7 +368,7 @@ UNREAD = [
         "decay-steps-with-cosine",
         _set("search.decay_steps", {"role": "fixed", "value": 50}),
         "search.decay_steps",
-        "only applies to training.schedule.kind linear (kind is cosine)",
+        "not read by a cosine schedule (training.schedule.kind; only by linear)",
     ),
     (
         "final-fraction-with-constant",
@@ -377,7 +377,7 @@ UNREAD = [
             _set("search.final_lr_fraction", {"role": "nuisance", "min": 0.0, "max": 0.1}),
         ),
         "search.final_lr_fraction",
-        "a constant schedule does not decay",
+        "not read by a constant schedule (training.schedule.kind; only by linear, cosine)",
     ),
     (
         "final-fraction-in-constant-schedule",
