@@ -224,3 +224,14 @@ def test_playbook_validate_imports_a_workload_from_the_study_files_folder(tabula
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("ok: study tabular-example")
+
+
+def test_the_documented_example_is_the_one_the_tests_run():
+    """docs/workloads.md shows studies/tabular/tabular_workload.py whole, as it is (the module
+    the contract tests and tests/test_own_workload_study.py run)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "workloads.md")) as f:
+        doc = f.read()
+    with open(os.path.join(cw.STUDY_DIR, "tabular_workload.py")) as f:
+        code = f.read()
+    assert f"`tabular_workload.py`:\n\n```python\n{code}```\n" in doc
