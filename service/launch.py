@@ -20,7 +20,7 @@ from service import fast_path, storage
 from service.analysis.input_bound import trial_input_row
 from service.errors import CheckpointError
 from service.spec import Study
-from service.topology import Topology, host_ranks
+from service.topology import Topology, placement
 from service.trainer import checkpoint, loop
 from service.trainer.checkpoint import TrialState
 from service.trial import TrialPlan, best_row, worst
@@ -80,7 +80,8 @@ def newest_committed_sibling(fs: pafs.FileSystem, path: str) -> tuple[str, Trial
 
 
 def worker_topology() -> Topology:
-    """This worker's place: host rank from the sorted Ray node ids of the whole worker group."""
+    """This worker's place: host and local rank from the Ray node ids of the whole worker
+    group, in world-rank order (`topology.placement`)."""
     ctx = ray.train.get_context()
     world_rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     node_id = ray.get_runtime_context().get_node_id()
@@ -88,12 +89,11 @@ def worker_topology() -> Topology:
     if world_size > 1:
         node_ids = [None] * world_size
         dist.all_gather_object(node_ids, node_id)
-    hosts = host_ranks(node_ids)
-    local_rank = sum(1 for r in range(world_rank) if node_ids[r] == node_id)
+    host_rank, local_rank = placement(node_ids)[world_rank]
     return Topology(
         world_rank=world_rank,
         world_size=world_size,
-        host_rank=hosts[world_rank],
+        host_rank=host_rank,
         num_hosts=len(set(node_ids)),
         local_rank=local_rank,
         workers_per_host=node_ids.count(node_id),

@@ -28,12 +28,23 @@ class Topology:
         return self.world_rank == 0
 
 
-def host_ranks(node_ids: list[str]) -> list[int]:
-    """Host rank of each worker from the Ray node id it runs on: the index of its node among the
-    sorted distinct node ids. (Ray's node_rank groups by IP, which is one IP for every node of a
-    simulated cluster.)"""
-    order = {node: i for i, node in enumerate(sorted(set(node_ids)))}
-    return [order[n] for n in node_ids]
+def placement(node_ids: list[str]) -> list[tuple[int, int]]:
+    """(host rank, local rank) of each world rank, from the Ray node id of each world rank (a
+    list indexed by world rank). Hosts are numbered in the order of their lowest world rank
+    (world rank 0, the writer, is on host 0) and workers within a host in world-rank order.
+    Ray Train gives each node's workers consecutive world ranks, so world rank r is host
+    r // workers_per_host, local rank r % workers_per_host on every placement: which data a
+    world rank reads, and so the order in which gradients and metrics are summed, follows from
+    the layout (hosts x workers), never from node ids or which node Ray picked first. (Ray's
+    node_rank groups by IP, which is one IP for every node of a simulated cluster.)"""
+    hosts: dict[str, int] = {}
+    workers: dict[str, int] = {}
+    out = []
+    for node in node_ids:
+        host = hosts.setdefault(node, len(hosts))
+        out.append((host, workers.get(node, 0)))
+        workers[node] = workers.get(node, 0) + 1
+    return out
 
 
 def init_seed(trial_seed: int) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 from service.data.files import list_files
 from service.trial import TrialPlan
-from tests.conftest import make_study
+from tests.conftest import make_study, same_nested
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 NUM_HOSTS = 3
@@ -44,30 +44,32 @@ def three_node_cluster(tmp_path_factory):
         cluster.shutdown()
 
 
+def run_once(audit, digits_dir, storage) -> tuple[TrialPlan, dict, dict]:
+    """The 3 hosts x 1 worker trial, with the same seed every time: (plan, topology.json, the
+    URIs each process wrote)."""
+    from service import launch
+
+    study = make_study(
+        digits_dir,
+        storage,
+        name="multihost",
+        scaling={"num_hosts": NUM_HOSTS, "workers_per_host": 1},
+        training={"batch_size": 30, "eval_batch_size": 60, "max_train_steps": 20, "eval_every_steps": 10},
+    )
+    plan = one_trial(study, 20)
+    before = set(os.listdir(audit))
+    launch.run_single(plan)
+    with open(os.path.join(plan.trial_uri, "topology.json")) as f:
+        topology = json.load(f)
+    new_logs = set(os.listdir(audit)) - before
+    return plan, topology, {n: open(audit / n).read().split() for n in new_logs}
+
+
 @pytest.fixture(scope="module")
 def two_runs(three_node_cluster, digits_dir, tmp_path_factory):
     """The same trial, run twice with the same seed on 3 hosts x 1 worker."""
-    from service import launch
-
     _, audit = three_node_cluster
-    runs = []
-    for i in range(2):
-        storage = tmp_path_factory.mktemp(f"storage{i}")
-        study = make_study(
-            digits_dir,
-            storage,
-            name="multihost",
-            scaling={"num_hosts": NUM_HOSTS, "workers_per_host": 1},
-            training={"batch_size": 30, "eval_batch_size": 60, "max_train_steps": 20, "eval_every_steps": 10},
-        )
-        plan = one_trial(study, 20)
-        before = set(os.listdir(audit))
-        launch.run_single(plan)
-        with open(os.path.join(plan.trial_uri, "topology.json")) as f:
-            topology = json.load(f)
-        new_logs = set(os.listdir(audit)) - before
-        runs.append((plan, topology, {n: open(audit / n).read().split() for n in new_logs}))
-    return runs
+    return [run_once(audit, digits_dir, tmp_path_factory.mktemp(f"storage{i}")) for i in range(2)]
 
 
 def test_every_rank_starts_from_the_same_weights(two_runs):
@@ -94,6 +96,53 @@ def test_data_order_is_reproducible_for_the_same_seed(two_runs):
     order = {r["host_rank"]: (r["data_seed"], r["first_batch_sha256"]) for r in first["ranks"]}
     again = {r["host_rank"]: (r["data_seed"], r["first_batch_sha256"]) for r in second["ranks"]}
     assert order == again
+
+
+def node_of_each_rank(topology: dict) -> tuple[str, ...]:
+    return tuple(r["node_id"] for r in sorted(topology["ranks"], key=lambda r: r["world_rank"]))
+
+
+def final_state(plan: TrialPlan):
+    from service.trainer import checkpoint
+
+    folders = [
+        os.path.join(plan.trial_uri, d) for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")
+    ]
+    return max((checkpoint.load(d) for d in folders if os.path.isdir(d)), key=lambda s: s.step)
+
+
+def test_results_follow_the_layout_not_the_placement(three_node_cluster, two_runs, digits_dir, tmp_path):
+    """Ray puts world ranks on nodes in a different order from run to run. World rank r must
+    read host r's data on every placement (host 0 holds the writer), so the gradient and metric
+    sums run in the same order and reruns are bitwise equal: metrics logs, weights, optimizer
+    state and every rank's generator states."""
+    from service.trainer.loop import TIMING_FIELDS
+
+    _, audit = three_node_cluster
+    runs = list(two_runs)
+    while len({node_of_each_rank(t) for _, t, _ in runs}) < 2 and len(runs) < 5:
+        runs.append(run_once(audit, digits_dir, tmp_path / f"again{len(runs)}"))
+    placements = [node_of_each_rank(t) for _, t, _ in runs]
+    assert len(set(placements)) >= 2, f"Ray placed the ranks alike in all {len(runs)} runs"
+
+    for _, topology, _ in runs:
+        layout = sorted((r["world_rank"], r["host_rank"], r["local_rank"]) for r in topology["ranks"])
+        assert layout == [(r, r, 0) for r in range(NUM_HOSTS)]
+
+    def logged(plan):
+        with open(plan.metrics_uri) as f:
+            rows = [json.loads(line) for line in f]
+        return [{k: v for k, v in row.items() if k not in TIMING_FIELDS} for row in rows]
+
+    first_plan = runs[0][0]
+    first = final_state(first_plan)
+    for plan, _, _ in runs[1:]:
+        assert logged(plan) == logged(first_plan)
+        state = final_state(plan)
+        assert state.step == first.step == 20
+        assert same_nested(state.model, first.model)
+        assert same_nested(state.optimizer, first.optimizer)
+        assert len(state.rng_states) == NUM_HOSTS and same_nested(state.rng_states, first.rng_states)
 
 
 def test_hosts_opened_disjoint_files_that_together_are_all_of_them(two_runs, digits_dir):
