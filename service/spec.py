@@ -159,7 +159,9 @@ class Training:
                     f"must be >= batch_size ({self.eval_batch_size} < {self.batch_size}); "
                     "set eval_batch_size_reason to allow it",
                 )
-        yield from _positive(self, "validation_sample_size", "full_eval_every_steps", "train_eval_sample_size")
+        yield from _positive(
+            self, "validation_sample_size", "full_eval_every_steps", "train_eval_sample_size"
+        )
         if self.full_eval_every_steps is not None and self.validation_sample_size is None:
             yield "full_eval_every_steps", "only applies with validation_sample_size"
         if self.eval_every_steps > self.max_train_steps:

@@ -64,10 +64,12 @@ class FindSteps:
     max_train_steps: int
     """Steps per sweep trial (N): a trial that has not fit the training set by then does not."""
     train_loss_threshold: float
-    """The training set counts as fit once the mean training loss over an eval interval is at
-    or below this."""
+    """The training set counts as fit once the loss of the fixed training sample, evaluated in
+    eval mode like validation (`train_eval/loss`), is at or below this."""
     eval_every_steps: int = 10
-    """How often the training loss is read (the resolution of the answer)."""
+    """How often the training sample is evaluated (the resolution of the answer)."""
+    train_eval_sample_size: int = 2048
+    """Training examples in that fixed sample (all of them if the split has fewer)."""
 
     def errors(self):
         if len(self.learning_rates) < 3:
@@ -77,6 +79,7 @@ class FindSteps:
         if list(self.learning_rates) != sorted(set(self.learning_rates)):
             yield "learning_rates", "must be strictly increasing"
         yield from positive(self, "max_train_steps", "train_loss_threshold", "eval_every_steps")
+        yield from positive(self, "train_eval_sample_size")
 
 
 @dataclass(frozen=True)

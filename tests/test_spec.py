@@ -559,7 +559,7 @@ def test_load_file_errors_name_the_file(tmp_path):
 @pytest.mark.parametrize(
     "change,path",
     [
-        (_set("search.dropout", {"role": "nuisance", "min": 0.0, "max": 0.5}), "search.dropout"),
+        (_set("search.mixup", {"role": "nuisance", "min": 0.0, "max": 0.5}), "search.mixup"),
         (_set("search.widht", {"role": "fixed", "value": 8}), "search.widht"),
         (_set("training.metric", "validation/accuracy"), "training.metric"),
         (_set("training.metric", "train/error"), "training.metric"),
@@ -581,7 +581,7 @@ CLI_CASES = {
     # name: (change to the demo file or raw text, dotted path in the error; None = valid)
     "valid": (None, None),
     "unknown-key": (_set("training.evl_every_steps", 10), "training.evl_every_steps"),
-    "unknown-hparam": (_set("search.dropout", {"role": "fixed", "value": 0.1}), "search.dropout"),
+    "unknown-hparam": (_set("search.mixup", {"role": "fixed", "value": 0.1}), "search.mixup"),
     "momentum-with-adamw": (_set("training.optimizer", "adamw"), "search.momentum"),
     "malformed-yaml": ("name: demo\ntraining: [\n", "{file}"),
 }

@@ -25,10 +25,17 @@ class EvalSample:
 
 
 def plan_sample(total_rows: int, training: Training, world_rank: int, world_size: int) -> EvalSample | None:
-    size = training.validation_sample_size
+    return sample_of(total_rows, training.validation_sample_size, training.seed, world_rank, world_size)
+
+
+def sample_of(
+    total_rows: int, size: int | None, seed: int, world_rank: int, world_size: int
+) -> EvalSample | None:
+    """A fixed sample of `size` of a split's rows and this rank's part of it (None: the whole
+    split, when `size` is None or not smaller)."""
     if size is None or size >= total_rows:
         return None
-    positions = fixed_sample(total_rows, size, training.seed)
+    positions = fixed_sample(total_rows, size, seed)
     lo, hi = total_rows * world_rank // world_size, total_rows * (world_rank + 1) // world_size
     mine = positions[(positions >= lo) & (positions < hi)] - lo
     return EvalSample(positions, torch.from_numpy(mine.astype(np.int64)))

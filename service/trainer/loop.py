@@ -26,7 +26,7 @@ from service.data.sharding import row_ranges, train_shard
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
-from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample
+from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample, sample_of
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.topology import Topology, data_seed, init_seed
@@ -178,9 +178,8 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     local_batch = tr.batch_size // topo.world_size
     my_data_seed = data_seed(plan.trial_seed, topo.host_rank, topo.local_rank)
     opened_before = len(files.OPENED)
-    shard = train_shard(
-        list_files(study.data.train), topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank
-    )
+    train_files = list_files(study.data.train)
+    shard = train_shard(train_files, topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank)
     stream = TrainStream(
         workload,
         shard,
@@ -193,6 +192,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     val_files = list_files(study.data.validation)
     val_ranges = row_ranges(val_files, topo.world_rank, topo.world_size)
     sample = plan_sample(sum(f.num_rows for f in val_files), tr, topo.world_rank, topo.world_size)
+    train_part = train_eval_part(train_files, tr, topo)
     eval_local_batch = tr.resolved_eval_batch_size // topo.world_size
     if tr.resolved_eval_batch_size < tr.batch_size:
         rank0.run(
@@ -306,6 +306,8 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
                 plan, workload, model, topo, val_ranges, sample, eval_local_batch, step, max_steps, device
             )
         )
+        if train_part is not None:
+            row.update(train_eval_fields(workload, model, train_part, eval_local_batch, device))
         history.append(row)
         best = best_row(history, tr.metric, tr.mode)
         report = {  # flat scalars only: per-class details stay in the metrics log
@@ -340,6 +342,24 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         "best_step": best["step"] if best else None,
         "best_metric": best[tr.metric] if best else None,
     }
+
+
+def train_eval_part(train_files, tr, topo: Topology) -> tuple[list, torch.Tensor | None] | None:
+    """This rank's rows of the fixed training sample evaluated at every eval point
+    (`training.train_eval_sample_size`): (row ranges, positions kept in them or None for all)."""
+    if tr.train_eval_sample_size is None:
+        return None
+    total = sum(f.num_rows for f in train_files)
+    sample = sample_of(total, tr.train_eval_sample_size, tr.seed, topo.world_rank, topo.world_size)
+    return row_ranges(train_files, topo.world_rank, topo.world_size), sample.local_keep if sample else None
+
+
+def train_eval_fields(workload, model, part, batch_size, device) -> dict:
+    """The training sample evaluated exactly like validation (eval mode, padded batches,
+    weighted sums over all ranks): `train_eval/<metric>`."""
+    ranges, keep = part
+    result = evaluate(model, workload, eval_batches(workload, ranges, batch_size, keep), batch_size, device)
+    return {f"train_eval/{k}": v for k, v in result.items() if k != "per_class"}
 
 
 def run_evals(plan, workload, model, topo, val_ranges, sample, batch_size, step, max_steps, device) -> dict:

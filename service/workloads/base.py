@@ -26,6 +26,13 @@ class Workload(abc.ABC):
     """Names of the per-example metrics `metrics()` returns (reported as validation/<name>)."""
     hparam_defaults: dict[str, Any] = {}
     """Model hyperparameters this workload accepts, with their defaults."""
+    regularizers: dict[str, Any] = {}
+    """Hyperparameters of `hparam_defaults` that regularise (dropout, label smoothing, ...),
+    each with the value that switches it off. `playbook find-steps` sweeps with all of them off
+    (and weight_decay 0), as the playbook's max_train_steps finder asks."""
+    augmentation: dict[str, Any] = {}
+    """Hyperparameters of `hparam_defaults` that switch data augmentation, each with its 'off'
+    value (e.g. {"augment": False}); `playbook find-steps` sweeps with augmentation off."""
     num_classes: int | None = None
     """A classifier's number of classes: its outputs must then be [batch, num_classes] logits,
     and evaluations add per-class support / precision / recall and the predictions file's

@@ -17,9 +17,25 @@ from torch import nn
 from service.workloads.base import Workload
 
 
+class RandomShift(nn.Module):
+    """Training-time augmentation: each image moved by -1, 0 or 1 pixel along each axis (zero
+    fill), drawn from torch's generator. The identity in eval mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        n, c, h, w = x.shape
+        dy, dx = torch.randint(0, 3, (2, n, 1), device=x.device)
+        padded = F.pad(x, (1, 1, 1, 1))
+        rows = (dy + torch.arange(h, device=x.device))[:, None, :, None].expand(n, c, h, w + 2)
+        cols = (dx + torch.arange(w, device=x.device))[:, None, None, :].expand(n, c, h, w)
+        return padded.gather(2, rows).gather(3, cols)
+
+
 class SmallConvNet(nn.Module):
-    def __init__(self, num_classes: int, width: int):
+    def __init__(self, num_classes: int, width: int, dropout: float = 0.0, augment: bool = False):
         super().__init__()
+        self.augment = RandomShift() if augment else nn.Identity()
         self.features = nn.Sequential(
             nn.Conv2d(1, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width),
@@ -30,22 +46,25 @@ class SmallConvNet(nn.Module):
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
         )
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.head = nn.Linear(2 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
+        return self.head(self.dropout(self.features(self.augment(x))))
 
 
 class Digits(Workload):
     name = "digits"
     feature_columns = ("pixels",)
-    hparam_defaults = {"width": 16}
+    hparam_defaults = {"width": 16, "dropout": 0.0, "augment": False}
+    regularizers = {"dropout": 0.0}
+    augmentation = {"augment": False}
     metric_names = ("loss", "error")
     num_classes = 10
 
     def build_model(self, hparams: dict[str, Any]) -> nn.Module:
         hp = self.model_hparams(hparams)
-        return SmallConvNet(self.num_classes, int(hp["width"]))
+        return SmallConvNet(self.num_classes, int(hp["width"]), float(hp["dropout"]), bool(hp["augment"]))
 
     def to_batch(self, table: pa.Table) -> dict[str, torch.Tensor]:
         # One copy straight from the chunks (a window's table has one per row group), which is
