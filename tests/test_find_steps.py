@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from service import spec
@@ -171,3 +172,31 @@ def test_find_steps_on_digits(ray_cluster, digits_dir, tmp_path, capsys):
     edge = write_study(digits_dir, tmp_path, "fs-edge", [0.01, 0.03, 0.1])
     assert main(["find-steps", edge]) == 1
     assert "is at the edge of the grid; extend find_steps.learning_rates above" in capsys.readouterr().err
+
+
+def test_digits_switches_do_what_they_declare():
+    """Off by default (the model and its state keys as before); `augment` moves each training
+    image by at most a pixel per axis (one of the 9 zero-filled shifts, worked out with numpy)
+    and nothing in eval mode; `dropout` adds dropout before the head."""
+    from torch import nn
+
+    from service.workloads.digits import SmallConvNet
+
+    workload = Digits()
+    assert workload.regularizers == {"dropout": 0.0} and workload.augmentation == {"augment": False}
+    assert list(workload.build_model({"width": 4}).state_dict()) == list(SmallConvNet(10, 4).state_dict())
+    model = workload.build_model({"width": 4, "augment": True, "dropout": 0.5})
+    assert isinstance(model.dropout, nn.Dropout) and model.dropout.p == 0.5
+    x = torch.rand(64, 1, 8, 8)
+    shifted = model.augment(x).numpy()
+    seen = set()
+    for image, out in zip(x.numpy()[:, 0], shifted[:, 0], strict=True):
+        padded = np.pad(image, 1)
+        shifts = [
+            (a, b) for a in range(3) for b in range(3) if np.array_equal(out, padded[a : a + 8, b : b + 8])
+        ]
+        assert shifts
+        seen.add(shifts[0])
+    assert len(seen) > 1
+    model.eval()
+    assert torch.equal(model.augment(x), x)

@@ -525,3 +525,39 @@ def test_steps_between_eval_points_read_nothing_back_to_the_host(digits_dir, tmp
     step_losses = [float(t.mean()) for t in StepCountingDigits.losses]
     for m, (lo, hi) in zip(reporter.metrics, [(0, 10), (10, 20), (20, 25)], strict=True):
         assert m["train/loss"] == pytest.approx(sum(step_losses[lo:hi]) / (hi - lo), rel=1e-12)
+
+
+def test_train_eval_is_the_fixed_training_sample_in_eval_mode(digits_dir, tmp_path):
+    """training.train_eval_sample_size: at every eval point, train_eval/loss and /error are those
+    of the same fixed training sample under the weights of that step in eval mode, computed here
+    with numpy from the checkpoint over the sampled rows (file order), read with pyarrow."""
+    from service.evaluation.bias import fixed_sample
+
+    plan = make_plan(
+        digits_dir, tmp_path / "s", max_train_steps=20, eval_every_steps=10, train_eval_sample_size=100
+    )
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+
+    table = pq.read_table(str(digits_dir / "train"), columns=["pixels", "label"])
+    rows = fixed_sample(table.num_rows, 100, plan.study.training.seed)
+    pixels = np.asarray(table.column("pixels").to_pylist(), dtype=np.float32)[rows]
+    labels = table.column("label").to_numpy()[rows]
+    assert len(set(rows)) == 100
+    for metrics, folder in reporter.reports:
+        model = Digits().build_model(plan.hparams)
+        model.load_state_dict(checkpoint.load(folder).model)
+        model.eval()
+        with torch.no_grad():
+            logits = model(torch.from_numpy(pixels).view(-1, 1, 8, 8)).double().numpy()
+        top = logits.max(axis=1)
+        log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        assert metrics["train_eval/count"] == 100
+        assert metrics["train_eval/loss"] == pytest.approx(
+            float(np.mean(log_z - logits[np.arange(100), labels])), rel=1e-5
+        )
+        assert metrics["train_eval/error"] == pytest.approx(
+            zero_one_loss(labels, logits.argmax(axis=1)), abs=1e-12
+        )
+    log = read_log(plan)
+    assert [r["train_eval/loss"] for r in log] == [m["train_eval/loss"] for m, _ in reporter.reports]
