@@ -12,7 +12,6 @@ records of it.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from service import schedules
@@ -79,7 +78,7 @@ def _config(
         "hparams": hparams,
         "max_train_steps": steps,
         "seed": seed,
-        "schedule": dataclasses.asdict(schedule),
+        "schedule": schedules.as_dict(schedule),
         **extra,
     }
 
