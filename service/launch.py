@@ -171,6 +171,8 @@ def trainer_for(plan: TrialPlan, in_tune: bool):
             name=plan.trial_name,
             storage_path=trials_path,
             storage_filesystem=fs,
+            # Ray keeps the N best reports by the metric (the later one on a tie, as `trial.rank`
+            # ranks them) plus the latest.
             checkpoint_config=CheckpointConfig(
                 num_to_keep=study.training.num_checkpoints_to_keep,
                 checkpoint_score_attribute=study.training.metric,

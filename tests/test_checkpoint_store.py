@@ -116,3 +116,45 @@ def test_loop_checkpoints_through_the_store_equal_the_reported_ones(digits_dir, 
             for key in want.model:
                 assert torch.equal(got.model[key], want.model[key]), key
             assert same_nested(got.rng_states, want.rng_states)
+
+
+# Ties of the ranking metric: one rule (the later evaluation ranks higher) for retention and for
+# the trial's best, so the best checkpoint is always one that is kept.
+TIED = [0.5, 0.3, 0.3, 0.4, 0.3, 0.6]  # validation/error at steps 1..6: steps 2, 3, 5 tie for the best
+
+
+def test_on_a_tie_the_later_evaluation_is_the_best_and_is_kept(tmp_path):
+    from service.trial import best_row
+
+    history = [{"step": step, "validation/error": v} for step, v in enumerate(TIED, start=1)]
+    assert best_row(history, "validation/error", "min")["step"] == 5
+    store = CheckpointStore(str(tmp_path), 2, "validation/error", "min")
+    for row in history:
+        store.save(state_at(row["step"]), row)
+    store.close()
+    # By hand: the two best are steps 5 and 3 (the later ones of the 0.3 tie), plus step 6, the latest.
+    assert [m["step"] for _, m in store.complete()] == [3, 5, 6]
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_the_best_of_a_coarse_metric_is_always_kept(tmp_path, mode, keep):
+    from service.trial import best_row
+
+    rng = np.random.default_rng(keep)
+    for trial in range(5):
+        values = rng.choice([0.25, 0.5, 0.75], size=8).tolist()  # a coarse metric: many ties
+        history = [{"step": 10 * i, "validation/error": v} for i, v in enumerate(values, start=1)]
+        store = CheckpointStore(str(tmp_path / f"{mode}-{keep}-{trial}"), keep, "validation/error", mode)
+        for row in history:
+            store.save(state_at(row["step"]), row)
+        store.close()
+        # Independently: the best value, its last step, and the keep best by (value, later step).
+        best_value = min(values) if mode == "min" else max(values)
+        last_best_step = max(r["step"] for r in history if r["validation/error"] == best_value)
+        signed = [(v if mode == "min" else -v, -r["step"]) for r, v in zip(history, values, strict=True)]
+        expected = {-s for _, s in sorted(signed)[:keep]} | {history[-1]["step"]}
+        kept = {m["step"] for _, m in store.complete()}
+        assert best_row(history, "validation/error", mode)["step"] == last_best_step
+        assert kept == expected
+        assert last_best_step in kept

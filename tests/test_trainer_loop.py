@@ -156,12 +156,12 @@ def test_runs_exactly_max_steps_and_reports_at_eval_points(adamw_run):
         for key in ("learning_rate", "train/loss", "validation/loss", "validation/error"):
             assert row[key] == reported[key]
 
-    # best_step / best_metric: the lowest validation/error so far, earliest on a tie.
+    # best_step / best_metric: the lowest validation/error so far, the latest on a tie.
     for i, reported in enumerate(reporter.metrics):
         so_far = reporter.metrics[: i + 1]
         best = so_far[0]
         for m in so_far[1:]:
-            if m["validation/error"] < best["validation/error"]:
+            if m["validation/error"] <= best["validation/error"]:
                 best = m
         assert reported["best_step"] == best["step"]
         assert reported["best_metric"] == best["validation/error"]

@@ -13,7 +13,6 @@ rename away).
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 import posixpath
@@ -29,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 from service import storage
 from service.trainer import checkpoint
 from service.trainer.checkpoint import TrialState
+from service.trial import rank
 
 PREFIX = "checkpoint_"
 PARTIAL = ".partial-"
@@ -39,7 +39,8 @@ def checkpoint_name(step: int) -> str:
 
 
 class CheckpointStore:
-    """Checkpoints of one trial under `trial_uri`, keeping `keep` best by `metric` + the latest."""
+    """Checkpoints of one trial under `trial_uri`, keeping `keep` best by `metric` (ranked by
+    `trial.rank`: on a tie the later step) + the latest."""
 
     def __init__(self, trial_uri: str, keep: int, metric: str, mode: str):
         self.trial_uri, self.keep, self.metric, self.mode = trial_uri.rstrip("/"), keep, metric, mode
@@ -113,12 +114,9 @@ class CheckpointStore:
 
     def _retain(self) -> None:
         done = self.complete()
-        sign = 1 if self.mode == "min" else -1
 
         def score(meta: dict) -> tuple[float, int]:
-            v = meta.get("metrics", {}).get(self.metric)
-            finite = isinstance(v, float | int) and math.isfinite(v)
-            return (sign * v if finite else math.inf, meta["step"])
+            return rank(meta.get("metrics", {}).get(self.metric), meta["step"], self.mode)
 
         kept = {m["step"] for _, m in sorted(done, key=lambda um: score(um[1]))[: self.keep]}
         if done:
