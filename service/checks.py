@@ -145,9 +145,10 @@ def autoscaler_nodes(cluster_config, study: Study) -> list[dict]:
 
 
 def check_resources(study: Study, nodes: list[dict]) -> None:
-    """The cluster can place one trial: `nodes` in `ray.nodes()` form (those alive now, or those
-    an autoscaler can start, see `autoscaler_nodes`); refused before any trial starts, naming
-    the scaling field that asks too much."""
+    """The cluster can place one trial with all it holds (`tune_run.trial_footprint`: its
+    workers, their Ray Data input workers; its own Tune process holds no CPU or GPU): `nodes` in
+    `ray.nodes()` form (those alive now, or those an autoscaler can start, see
+    `autoscaler_nodes`); refused before any trial starts, naming the field that asks too much."""
     s = study.scaling
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
     gpus = sum(r.get("GPU", 0) for r in alive)
@@ -165,6 +166,16 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
             f"scaling.workers_per_host: {s.num_hosts} x {s.workers_per_host} workers x "
             f"{s.cpus_per_worker:g} CPUs = {s.world_size * s.cpus_per_worker:g} CPUs, but the "
             f"Ray cluster has {total:g}"
+        )
+    from service.tune_run import trial_footprint  # Ray Tune: imported once connected to Ray
+
+    need = trial_footprint(study)["CPU"]  # the workers' and their input actors' CPUs
+    if need > total + 1e-9:
+        inp = study.input
+        raise SpecError(
+            f"input.num_input_workers: {s.world_size} workers x ({s.cpus_per_worker:g} CPUs + "
+            f"{inp.num_input_workers} Ray Data input workers x {inp.cpus_per_input_worker:g} CPUs) = "
+            f"{need:g} CPUs, but the Ray cluster has {total:g}"
         )
     if s.use_gpu and s.world_size > gpus:
         raise SpecError(

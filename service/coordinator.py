@@ -18,7 +18,7 @@ from service.rounds import plan_round, row_fields
 from service.spec import Round, Study
 from service.tracking import TrialTable
 from service.trial_events import DONE, TrialEvents
-from service.tune_run import TuneRun
+from service.tune_run import TuneRun, trial_footprint
 
 NAMESPACE = "playbook"
 # A round runs as Tune runs of at most max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS x its
@@ -203,14 +203,7 @@ class Coordinator:
         getattr(self.events, kind)(trial, *args)
 
     def _concurrency(self, rnd: Round) -> int:
-        if rnd.max_concurrent_trials:
-            return rnd.max_concurrent_trials
-        s = self.study.scaling
-        resources = ray.cluster_resources()
-        fits = resources.get("CPU", 0) // (s.cpus_per_worker * s.world_size)
-        if s.use_gpu:
-            fits = min(fits, resources.get("GPU", 0) // s.world_size)
-        return max(1, int(fits))
+        return rnd.max_concurrent_trials or trials_that_fit(self.study, ray.cluster_resources())
 
     def status(self) -> dict:
         return {
@@ -222,6 +215,15 @@ class Coordinator:
             "trials": self.table.snapshot(),
             "time": time.time(),
         }
+
+
+def trials_that_fit(study: Study, resources: dict) -> int:
+    """How many of the study's trials the cluster's `resources` (`ray.cluster_resources()`) hold
+    at once, each counted with all it holds (`tune_run.trial_footprint`); at least 1."""
+    need = trial_footprint(study)
+    # A hair over the quotient: 0.9 CPU / 0.3 is 2.9999999999999996 in floating point.
+    fits = [math.floor(resources.get(name, 0) / amount + 1e-9) for name, amount in need.items() if amount]
+    return max(1, min(fits, default=1))
 
 
 def run_study(study: Study) -> list[dict]:

@@ -18,10 +18,11 @@ from ray.tune.logger import JsonLoggerCallback
 from service import storage
 from service.spec import Study
 
-# A Ray Train trial's Tune trial only drives its worker group (whose workers reserve the real
-# CPUs): it reserves a token share so that it never blocks them. Concurrency is capped by
-# max_concurrent_trials instead.
-TRIAL_DRIVER_CPU = 0.01
+# A Ray Train trial's Tune trial only drives its worker group, whose workers reserve the CPUs
+# and GPUs. Tune needs every trial to reserve something, so it reserves a token of memory and
+# no CPU: a layout that fills the cluster's CPUs exactly still starts (Tune runs no more
+# trials at once than `max_concurrent_trials`).
+TRIAL_DRIVER_MEMORY = 1 << 20
 # Tune restarts a trial whose process died (a fast-path trial resumes from its latest
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
@@ -57,10 +58,21 @@ def is_fast_path(scaling) -> bool:
 
 
 def trial_resources(scaling) -> dict:
-    """What a Tune trial reserves: a fast-path trial its one worker's CPUs (and GPU)."""
+    """What a Tune trial's own process reserves: a fast-path trial its one worker's CPUs (and
+    GPU); a Ray Train trial's driver no CPU or GPU (its workers reserve them)."""
     if is_fast_path(scaling):
         return {"cpu": scaling.cpus_per_worker, **({"gpu": 1} if scaling.use_gpu else {})}
-    return {"cpu": TRIAL_DRIVER_CPU}
+    return {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY}
+
+
+def trial_footprint(study: Study) -> dict[str, float]:
+    """The CPUs and GPUs one running trial holds, all told: its workers' (the fast path's one
+    worker is its Tune trial's process; a Ray Train trial's driver holds neither) and, with
+    `input.workers: ray_data`, every worker's input actors. The pre-flight check
+    (`checks.check_resources`) and a round's concurrency count this."""
+    s, inp = study.scaling, study.input
+    input_cpus = inp.num_input_workers * inp.cpus_per_input_worker if inp.workers == "ray_data" else 0
+    return {"CPU": s.world_size * (s.cpus_per_worker + input_cpus), "GPU": s.world_size if s.use_gpu else 0}
 
 
 def tune_trial(config: dict, study: Study) -> None:

@@ -71,3 +71,48 @@ def test_unbounded_groups_and_no_autoscaler(digits_dir, tmp_path):
     nodes = autoscaler_nodes(config, s)
     assert len(nodes) == s.scaling.world_size + 1  # bounded, yet enough for any placement
     check_resources(s, nodes)
+
+
+# A trial holds its workers' CPUs and, with Ray Data input workers, theirs; its own Tune process
+# holds none. Worked by hand for 2 hosts x 2 workers x 1 CPU, each worker with 2 input actors
+# of 0.5 CPU: 4 x (1 + 2 x 0.5) = 8 CPUs per trial.
+RAY_DATA_INPUT = {"workers": "ray_data", "num_input_workers": 2, "cpus_per_input_worker": 0.5}
+
+
+def test_the_check_counts_a_trials_ray_data_input_workers(digits_dir, tmp_path):
+    layout = {"num_hosts": 2, "workers_per_host": 2, "cpus_per_worker": 1}
+    local = study(digits_dir, tmp_path, **layout)
+    with_input = make_study(
+        digits_dir,
+        tmp_path,
+        scaling=layout,
+        training={"batch_size": 32, "eval_batch_size": 64},
+        input=RAY_DATA_INPUT,
+    )
+    four_cpus = [{"Alive": True, "Resources": {"CPU": 2}}] * 2  # the workers alone fit exactly
+    check_resources(local, four_cpus)
+    with pytest.raises(SpecError, match=r"^input.num_input_workers: .* = 8 CPUs, but the Ray cluster has 4"):
+        check_resources(with_input, four_cpus)
+    check_resources(with_input, [{"Alive": True, "Resources": {"CPU": 4}}] * 2)
+
+
+def test_trials_at_once_count_everything_a_trial_holds(digits_dir, tmp_path):
+    from service.coordinator import trials_that_fit
+
+    layout = {"num_hosts": 2, "workers_per_host": 2, "cpus_per_worker": 1}
+    local = study(digits_dir, tmp_path, **layout)
+    with_input = make_study(
+        digits_dir,
+        tmp_path,
+        scaling=layout,
+        training={"batch_size": 32, "eval_batch_size": 64},
+        input=RAY_DATA_INPUT,
+    )
+    assert trials_that_fit(local, {"CPU": 4.0}) == 1  # exactly one: its driver holds no CPU
+    assert trials_that_fit(local, {"CPU": 17.0}) == 4
+    assert trials_that_fit(with_input, {"CPU": 17.0}) == 2  # 8 CPUs a trial
+    assert trials_that_fit(with_input, {"CPU": 4.0}) == 1  # never below 1 (the check refuses it)
+    gpu = study(digits_dir, tmp_path, num_hosts=2, workers_per_host=2, use_gpu=True, cpus_per_worker=1)
+    assert trials_that_fit(gpu, {"CPU": 64.0, "GPU": 8.0}) == 2  # the GPUs bound it
+    tenths = study(digits_dir, tmp_path, num_hosts=1, workers_per_host=3, cpus_per_worker=0.1)
+    assert trials_that_fit(tenths, {"CPU": 0.9}) == 3  # 0.3 CPU each, exactly 3 (not 2.999...)
