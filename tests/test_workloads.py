@@ -235,3 +235,23 @@ def test_the_documented_example_is_the_one_the_tests_run():
     with open(os.path.join(cw.STUDY_DIR, "tabular_workload.py")) as f:
         code = f.read()
     assert f"`tabular_workload.py`:\n\n```python\n{code}```\n" in doc
+
+
+def test_the_jobs_pythonpath_carries_the_import_path(tmp_path, monkeypatch):
+    """A folder inside the working directory: relative (a `--working-dir` job's worker resolves
+    it in its own copy) and absolute; one outside: absolute; the driver's PYTHONPATH after them.
+    A Ray job whose runtime env sets PYTHONPATH itself gets none (Ray refuses a second value)."""
+    study_dir, outside = tmp_path / "user" / "studies" / "mine", tmp_path / "lib"
+    cwd = tmp_path / "user"
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    paths = workloads.import_path(str(study_dir / "study.yaml"), cwd=str(cwd))
+    assert paths == [str(study_dir), str(cwd)]
+    env = workloads.ray_env([*paths, str(outside)], cwd=str(cwd))
+    want = ["studies/mine", str(study_dir), ".", str(cwd), str(outside), "/opt/site"]
+    assert env == {"PYTHONPATH": os.pathsep.join(want)}
+    assert workloads.import_path("gs://bucket/s/study.yaml", cwd=str(cwd)) == [str(cwd)]
+
+    job = {"runtime_env": {"env_vars": {"PYTHONPATH": "/theirs"}}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    assert workloads.ray_env(paths, cwd=str(cwd)) == {}
