@@ -27,7 +27,7 @@ def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     if rnd.kind == "grid":
         points = grid_configs(study.search)
     else:
-        points = quasi_random_configs(study.search, rnd.num_trials, rnd.sequence_seed)
+        points = quasi_random_configs(study.search, rnd.num_trials, rnd.seed)
     base = study.training.schedule
     return [
         _config(rnd, i, hp, study.round_steps(rnd), study.training.seed, schedules.for_trial(base, hp))

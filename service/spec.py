@@ -260,8 +260,8 @@ class Round:
     """At most this many trials at once; 0 = as many as the cluster's resources allow."""
     max_train_steps: int | None = None
     """Override of `training.max_train_steps` for this round."""
-    seed: int | None = None
-    """quasi_random only: seed of the quasi-random sequence (its scrambling; default 0)."""
+    seed: int = 0
+    """quasi_random only: seed of the quasi-random sequence (its scrambling)."""
     from_round: str | None = None
     """extend only: the round whose best trial is extended (default: the previous round)."""
     step_multiplier: float | None = None
@@ -271,10 +271,6 @@ class Round:
     """The round runs as consecutive Ray Tune runs of at most this many trials, because Tune
     keeps ~185 KB per trial in its process until the run ends; 0 = max(512, 32 x the
     round's concurrency), which bounds that memory and idles slots only at a run's tail."""
-
-    @property
-    def sequence_seed(self) -> int:
-        return self.seed or 0
 
     @property
     def multiplier(self) -> float:
@@ -287,7 +283,7 @@ class Round:
         for name in ("from_round", "step_multiplier"):
             if self.kind != "extend" and getattr(self, name) is not None:
                 yield name, f"only applies to kind: extend (kind is {self.kind})"
-        if self.kind != "quasi_random" and self.seed is not None:
+        if self.kind != "quasi_random" and self.seed:
             yield "seed", f"only applies to kind: quasi_random (kind is {self.kind})"
         if self.step_multiplier is not None and self.max_train_steps is not None:
             yield "step_multiplier", "give max_train_steps or step_multiplier, not both"
@@ -548,7 +544,24 @@ def load_text(text: str, source: str = "<study>") -> Study:
 
 
 def load_dict(raw: dict) -> Study:
-    return build(Study, raw, "")
+    return build(Study, _without_old_round_defaults(raw), "")
+
+
+def _without_old_round_defaults(raw):
+    """A study file stored by an earlier version lists every field of every round, with
+    `from_round: null` and `step_multiplier: 2.0` where that was the default of a field the
+    round does not read; it is dropped here, so a stored study still loads (a study file
+    written by hand, without `from_round: null`, is checked as written)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("rounds"), list):
+        return raw
+    rounds = []
+    for r in raw["rounds"]:
+        if isinstance(r, dict) and "from_round" in r and r["from_round"] is None:
+            unread = r.get("kind", "quasi_random") != "extend" or r.get("max_train_steps") is not None
+            if unread and r.get("step_multiplier") == DEFAULT_STEP_MULTIPLIER:
+                r = {k: v for k, v in r.items() if k != "step_multiplier"}
+        rounds.append(r)
+    return {**raw, "rounds": rounds}
 
 
 def schedule_from_dict(raw: dict) -> Schedule:

@@ -98,9 +98,8 @@ def test_defaults_are_applied():
     assert (hp.type, hp.scale, hp.values, hp.value) == ("float", "linear", None, None)
     assert isinstance(hp.max, float) and hp.max == 1.0  # an int bound of a float range becomes a float
     assert s.rounds[0] == spec.Round(
-        name="r1", num_trials=4, kind="quasi_random", max_concurrent_trials=0, max_train_steps=None, seed=None
+        name="r1", num_trials=4, kind="quasi_random", max_concurrent_trials=0, max_train_steps=None, seed=0
     )
-    assert s.rounds[0].sequence_seed == 0  # unset: the quasi-random sequence's seed is 0
     assert s.study_uri == "./playbook-studies/tiny"
 
 
@@ -676,11 +675,28 @@ def test_a_rerun_may_change_how_trials_run_but_not_what_they_compute(tmp_path):
         tracking=dataclasses.replace(study.tracking, progress_interval_s=1.0),
     )
     check_same_study(bigger)  # resumes: same trials, run on more slots
-    reseeded = dataclasses.replace(
-        bigger, rounds=(dataclasses.replace(first, seed=first.sequence_seed + 1), *rest)
-    )
+    reseeded = dataclasses.replace(bigger, rounds=(dataclasses.replace(first, seed=first.seed + 1), *rest))
     with pytest.raises(SpecError, match=r"different rounds\[0\]\.seed; rerun it unchanged"):
         check_same_study(reseeded)
     longer = dataclasses.replace(study, training=dataclasses.replace(study.training, max_train_steps=7))
     with pytest.raises(SpecError, match=r"different training\.max_train_steps;"):
         check_same_study(longer)
+
+
+def test_a_study_file_stored_by_the_earlier_version_still_loads():
+    """Earlier versions stored every round field, with step_multiplier 2.0 on rounds that do not
+    read it (and from_round: null); such a stored file loads as the same study."""
+    text = DEMO.read_text(encoding="utf-8")
+    s = spec.load_text(text)
+    old = spec.to_dict(s)
+    for r in old["rounds"]:
+        r["step_multiplier"] = r["step_multiplier"] or 2.0
+    old["rounds"].append({**old["rounds"][1], "name": "fixed-length", "max_train_steps": 900})
+    loaded = spec.load_text(yaml.safe_dump(old))
+    assert loaded.rounds[:2] == s.rounds
+    assert (loaded.rounds[2].step_multiplier, loaded.rounds[2].max_train_steps) == (None, 900)
+    # Written by hand (no from_round: null), the same fields are refused.
+    raw = yaml.safe_load(text)
+    raw["rounds"][0]["step_multiplier"] = 2.0
+    with pytest.raises(SpecError, match=r"^rounds\[0\]\.step_multiplier: only applies to kind: extend"):
+        spec.load_dict(raw)
