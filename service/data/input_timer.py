@@ -20,7 +20,9 @@ class InputTimer:
         self._got = time.perf_counter()
 
     def end_step(self) -> None:
-        """Call once the step's work is done (after the loss is read back)."""
+        """Call once the step's work is issued. The step reads nothing back from the device, so
+        on CUDA this is when its kernels are queued (the host runs ahead until the queue is
+        full); on CPU the work is done."""
         if self._skip:
             self._skip = False
             return

@@ -70,32 +70,39 @@ class Overlap:
 def read_ids(files: list[DataFile], column: str) -> SplitIds:
     """The split's ids: all of them, or those of a seeded sample of its row groups when it has
     more than `EXACT_ROWS` rows."""
+    rows = sum(f.num_rows for f in files)
+    if rows <= EXACT_ROWS:
+        return SplitIds(_concat([_read(f.uri, column) for f in files]), rows, rows)
     groups = []  # (uri, row group, rows)
     for f in files:
         with _open(f.uri) as pf:
             groups += [(f.uri, i, pf.metadata.row_group(i).num_rows) for i in range(pf.num_row_groups)]
-    rows = sum(n for _, _, n in groups)
-    if rows > EXACT_ROWS:
-        order = np.random.default_rng(SEED).permutation(len(groups))
-        taken, total = [], 0
-        for i in order:
-            if total >= SAMPLE_ROWS:
-                break
-            taken.append(groups[i])
-            total += groups[i][2]
-        groups = sorted(taken)
-    parts = []
-    for uri in dict.fromkeys(u for u, _, _ in groups):
-        with _open(uri) as pf:
-            wanted = [i for u, i, _ in groups if u == uri]
-            parts.append(pf.read_row_groups(wanted, columns=[column]).column(column).to_numpy())
-    ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    taken, total = [], 0
+    for i in np.random.default_rng(SEED).permutation(len(groups)):
+        if total >= SAMPLE_ROWS:
+            break
+        taken.append(groups[i])
+        total += groups[i][2]
+    by_file: dict[str, list[int]] = {}
+    for uri, group, _ in sorted(taken):
+        by_file.setdefault(uri, []).append(group)
+    ids = _concat([_read(uri, column, wanted) for uri, wanted in by_file.items()])
     return SplitIds(ids, len(ids), rows)
 
 
 def overlap(train: SplitIds, other: SplitIds) -> Overlap:
     hits = int(np.isin(other.ids, train.ids).sum())
     return Overlap(hits / (train.fraction * other.fraction), train, other)
+
+
+def _read(uri: str, column: str, row_groups: list[int] | None = None) -> np.ndarray:
+    with _open(uri) as pf:
+        table = pf.read(columns=[column]) if row_groups is None else pf.read_row_groups(row_groups, [column])
+    return table.column(column).to_numpy()
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 @contextmanager
