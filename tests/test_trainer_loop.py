@@ -561,3 +561,42 @@ def test_train_eval_is_the_fixed_training_sample_in_eval_mode(digits_dir, tmp_pa
         )
     log = read_log(plan)
     assert [r["train_eval/loss"] for r in log] == [m["train_eval/loss"] for m, _ in reporter.reports]
+
+
+class NanOnRankDigits(Digits):
+    """Digits whose training loss is NaN on world rank 1 from its 7th step on."""
+
+    name = "nan_on_rank_digits"
+    steps = 0
+
+    def loss(self, outputs, batch):
+        import torch.distributed as dist
+
+        per_example = super().loss(outputs, batch)
+        NanOnRankDigits.steps += 1
+        if dist.get_rank() == 1 and NanOnRankDigits.steps >= 7:
+            per_example = per_example * math.nan
+        return per_example
+
+
+def nan_rank(rank, world_size, digits_dir, storage):
+    plan = make_plan(
+        digits_dir, storage, workload=f"{__name__}:NanOnRankDigits", max_train_steps=30, eval_every_steps=10
+    )
+    topo = Topology(world_rank=rank, world_size=world_size, local_rank=rank, workers_per_host=world_size)
+    reporter = Reporter(None)
+    reporter.report = lambda metrics, _dir: reporter.reports.append((metrics, None))
+    summary = train(plan, topo, reporter)
+    return [(m["step"], m["status"], m.get("diverged_at_step")) for m in reporter.metrics] + [
+        summary["status"]
+    ]
+
+
+def test_divergence_on_one_rank_is_agreed_by_all_at_its_first_bad_step(digits_dir, tmp_path):
+    """Rank 1's loss is NaN from step 7 (rank 0's from step 8, once the NaN gradients are
+    averaged into its weights): both ranks stop at the eval point of step 10 with
+    diverged_at_step 7, the first non-finite step over all ranks."""
+    from tests._gloo import run_gloo
+
+    results = run_gloo(nan_rank, 2, tmp_path, digits_dir, str(tmp_path / "storage"))
+    assert results[0] == results[1] == [(10, "diverged", 7), "diverged"]
