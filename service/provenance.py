@@ -200,9 +200,9 @@ def capture(study_uri: str, workload: str, import_path: list[str], cap: int = DI
 def summary(record: dict) -> str:
     """One line for the job log: the service version, the workload's file and its repository."""
     svc = record["service"]
-    line = f"provenance: service {svc['version']}" + (
-        f" (commit {svc['git_commit'][:12]})" if svc["git_commit"] else ""
-    )
+    line = f"provenance: service {svc['version']}"
+    if svc["git_commit"]:
+        line += f" (commit {svc['git_commit'][:12]}{', dirty' if svc['git_dirty'] else ''})"
     line += f"; workload {record['workload']['name']} from {record['workload']['file']}"
     if not record["git_commit"]:
         return line + " (not in a git repository)"

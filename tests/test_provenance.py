@@ -134,6 +134,9 @@ def test_new_files_are_in_the_diff_binary_and_secret_ones_left_out_and_named(tmp
     assert b"hunter2" not in diff
     left_out = {f["path"]: f["reason"] for f in record["diff_left_out"]}
     assert left_out == {"weights.bin": "binary", **{name: "looks like a secret" for name in secrets}}
+    line = provenance.summary(record)  # what `playbook run` prints
+    assert f"{repo} at commit {record['git_commit'][:12]} (dirty; diff saved to" in line
+    assert ".env (looks like a secret)" in line and "and 3 more" in line
 
     clone = tmp_path / "clone"
     git(tmp_path, "clone", "-q", str(repo), str(clone))
