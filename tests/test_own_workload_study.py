@@ -2,7 +2,8 @@
 workload module of one's own beside the study file, not a built-in; data written by hand; two
 rounds) copied to a folder outside the repository and run by the `playbook` CLI from there,
 on a Ray head of exactly 2 CPUs for its 2 workers x 1 CPU: validate --data, run, status, report
-and eval of the best checkpoint that run reported."""
+and eval of the best checkpoint that run reported; and the same study submitted as a Ray job
+(`ray job submit --working-dir`), its study file in a subfolder of the working directory."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from service.trainer import checkpoint
-from tests.test_job_submit import BIN, start_ray_head
+from tests.test_job_submit import BIN, start_ray_head, wait_for_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
 
@@ -98,3 +100,40 @@ def run_the_study(user, env) -> None:
     assert metrics["error"] == pytest.approx(wrong.mean())
     by_id = dict(zip(test.column("row_id").to_pylist(), wrong.astype(float), strict=True))
     np.testing.assert_array_equal(preds["metric/error"], [by_id[i] for i in preds["example_id"]])
+
+
+def test_ray_job_submit_imports_the_workload_beside_a_study_in_a_subfolder(tmp_path):
+    """`ray job submit --working-dir USER -- playbook run tabular/study.yaml`: the job's driver
+    and its trial's worker (in the uploaded copy of USER, on a head started elsewhere) import
+    `tabular_workload` from the study file's folder, a subfolder of the working directory."""
+    user = tmp_path / "user"
+    shutil.copytree(cw.STUDY_DIR, user / "tabular", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    subprocess.run([sys.executable, "tabular/write_data.py", "data"], cwd=user, check=True, timeout=120)
+    study_file = user / "tabular" / "study.yaml"
+    d = yaml.safe_load(study_file.read_text())
+    d.update(
+        storage=str(tmp_path / "storage"),  # outside the uploaded copy, for the test to read
+        scaling={"num_hosts": 1, "workers_per_host": 1},
+        rounds=[{"name": "explore", "num_trials": 1}],
+    )
+    d["training"].update(max_train_steps=8, eval_every_steps=8)
+    study_file.write_text(yaml.safe_dump(d))
+    head = tmp_path / "head"
+    head.mkdir()
+    cwd = os.getcwd()
+    os.chdir(head)
+    try:
+        with start_ray_head(tmp_path) as (address, _, env):
+            os.chdir(cwd)
+            env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+            submit = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", address, "--working-dir"]
+            submit += [str(user), "--", "playbook", "run", "tabular/study.yaml"]
+            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+            state, logs = wait_for_job(address, job_id, env, timeout_s=600)
+    finally:
+        os.chdir(cwd)
+    assert state == "SUCCEEDED", logs[-4000:]
+    rows = pq.read_table(str(tmp_path / "storage" / "tabular-example" / "trials.parquet")).to_pylist()
+    assert [(r["trial_name"], r["status"]) for r in rows] == [("explore-0000", "FINISHED")]
