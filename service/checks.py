@@ -12,7 +12,7 @@ import uuid
 import pyarrow.parquet as pq
 
 from service import storage, workloads
-from service.data.files import list_files
+from service.data.files import check_column_types, check_declared_kinds, list_files
 from service.errors import DataError, SpecError, StorageError
 from service.spec import OPTIMIZER_HPARAMS, Study
 
@@ -52,10 +52,12 @@ def check_workload(study: Study) -> None:
 
 
 def check_data(study: Study) -> None:
-    """Every file of every split has the workload's columns, with the same types as the split's
-    first non-empty file, whose first row the workload turns into a batch (footers only, and
-    one row). A split needs rows; the training files must cover the hosts."""
+    """Every file of every split has the workload's columns, of the kinds its `column_types`
+    declares (so every value's type is checked) and of the same types as the split's first
+    non-empty file, whose first rows the workload turns into a batch (footers only, and a few
+    rows). A split needs rows; the training files must cover the hosts."""
     workload = workloads.get(study.workload)
+    check_declared_kinds(workload)
     for split in ("train", "validation", "test"):
         if getattr(study.data, split) is None:
             continue
@@ -64,7 +66,7 @@ def check_data(study: Study) -> None:
         for f in files:
             fs, path = storage.split(f.uri)
             with fs.open(path, "rb") as fh:
-                pf = pq.ParquetFile(fh)
+                pf = pq.ParquetFile(fh, pre_buffer=False)  # read on this thread: see files.ParquetReader
                 names = pf.schema_arrow.names
                 missing = [c for c in workload.columns if c not in names]
                 if missing:
@@ -72,6 +74,7 @@ def check_data(study: Study) -> None:
                         f"{f.uri}: missing column {missing[0]!r} needed by workload "
                         f"{workload.name} (has: {', '.join(names)})"
                     )
+                check_column_types(f.uri, pf.schema_arrow, workload)
                 types = [pf.schema_arrow.field(c).type for c in workload.columns]
                 if reference is None and f.num_rows:
                     _check_first_row(f.uri, pf, workload)
@@ -120,7 +123,7 @@ def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:
     from service.data.loader import example_ids
 
     try:
-        row = pf.read_row_group(0, columns=list(workload.columns)).slice(0, 4)
+        row = pf.read_row_group(0, columns=list(workload.columns), use_threads=False).slice(0, 4)
         workload.to_batch(row)
     except Exception as e:  # whatever the workload's conversion raises on a bad value
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -196,7 +199,7 @@ def check_stored_study(study: Study) -> None:
         import io
 
         try:
-            pq.read_table(io.BytesIO(storage.read_bytes(uri)))
+            pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False)
         except Exception as e:
             raise StorageError(
                 f"{uri}: the stored trial table is unreadable ({str(e).splitlines()[0]})"

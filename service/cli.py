@@ -18,13 +18,26 @@ DEMO_STUDY = "studies/digits-demo.yaml"
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return output_closed()
     except PlaybookError as e:
         print(f"playbook: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("playbook: interrupted", file=sys.stderr)
         return 130
+
+
+def output_closed() -> int:
+    """The reader of stdout went away (`playbook status ... | head`): exit 1 without a traceback,
+    the Python docs' way: stdout onto /dev/null, so that the interpreter's own flush of what is
+    still buffered fails no more at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 def parser() -> argparse.ArgumentParser:

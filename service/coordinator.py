@@ -234,10 +234,14 @@ def run_study(study: Study) -> list[dict]:
         raise PlaybookError(f"study {study.name!r} is already running on this cluster")
     except ValueError:
         pass
-    env = storage.forwarded_env()  # merged into the job's runtime env (a gs:// emulator, ...)
-    coordinator = Coordinator.options(
-        name=name, namespace=NAMESPACE, **({"runtime_env": {"env_vars": env}} if env else {})
-    ).remote(study)
+    # Merged into the job's runtime env, inherited by every process of the study: what the
+    # storage layer reads (a gs:// emulator, ...), and this cluster's address. Without it Ray
+    # Train's placement-group cleaner asks Ray's state API for "the" Ray of its machine, which
+    # fails (a traceback in the job log) where another Ray runs on the same machine.
+    env = {**storage.forwarded_env(), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    coordinator = Coordinator.options(name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}).remote(
+        study
+    )
     try:
         return ray.get(coordinator.run.remote())
     finally:

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import uuid
+import warnings
 
 import pyarrow.fs as pafs
 import ray
@@ -16,17 +17,47 @@ import ray.tune
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
+# Ray Train's failure policy (internal in Ray 2.60, pinned): the one hook that decides whether a
+# worker group's failure is retried.
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
 from service import fast_path, storage
 from service.analysis.input_bound import trial_input_row
-from service.errors import CheckpointError
+from service.errors import CheckpointError, DataError
 from service.spec import Study
 from service.topology import Topology, placement
 from service.trainer import checkpoint, loop
 from service.trainer.checkpoint import TrialState
 from service.trial import TrialPlan, best_row, worst
-from service.tune_run import is_fast_path
+from service.tune_run import ERROR_FILE, is_fast_path
 
 MAX_WORKER_GROUP_RESTARTS = 2
+NOT_THE_USERS_PROBLEM = ("`broadcast_buffers` is deprecated",)
+"""Starts of Python warnings a Train worker sends to Ray Train's log file instead of the job
+log: torch's notice about the DDP argument the loop passes on purpose (see `trainer.loop`)."""
+
+
+def data_error_of(error: BaseException) -> DataError | None:
+    """The DataError behind a trial's failure: raised in this process (the fast path), or by a
+    Ray Train worker (wrapped in a WorkerGroupError, each worker's error with its traceback)."""
+    if isinstance(error, DataError):
+        return error
+    for failure in getattr(error, "worker_failures", {}).values():
+        cause = getattr(failure, "_base_exc", failure)
+        if isinstance(cause, DataError):
+            return cause
+    return None
+
+
+class DataErrorsAreFinal(DefaultFailurePolicy):
+    """Ray Train's default policy (a worker group failure is retried up to
+    FailureConfig.max_failures times), except that a data error fails the run at once: the same
+    data gives the same error on every try."""
+
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        if data_error_of(training_failed_error) is not None:
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
 
 
 class RayTrainReporter:
@@ -110,10 +141,26 @@ def quiet_train_console() -> None:
             handler.setLevel(logging.WARNING)
 
 
+def log_known_warnings() -> None:
+    """Warnings of `NOT_THE_USERS_PROBLEM` go to Ray Train's log file (INFO: below what its
+    console handler shows, see `quiet_train_console`); every other warning is shown as usual."""
+    show = warnings.showwarning
+    log = logging.getLogger("ray.train.playbook")
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(NOT_THE_USERS_PROBLEM):
+            log.info("%s:%s: %s: %s", filename, lineno, category.__name__, message)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
 def train_worker(config: dict) -> None:
     import ray.train.torch
 
     quiet_train_console()
+    log_known_warnings()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
     loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device(), batch_source(plan.study))
@@ -155,15 +202,26 @@ def scaling_config(scaling) -> ScalingConfig:
     )
 
 
-def trainer_for(plan: TrialPlan, in_tune: bool):
-    # Imported here: ray.train.torch costs seconds of imports that fast-path trials skip.
+def trainer_class():
+    """TorchTrainer whose runs fail at once on a data error (`DataErrorsAreFinal`). Made here:
+    ray.train.torch costs seconds of imports that fast-path trials skip."""
     from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **kwargs):
+            kwargs["failure_policy"] = DataErrorsAreFinal(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**kwargs)
+
+    return Trainer
+
+
+def trainer_for(plan: TrialPlan, in_tune: bool):
     from ray.tune.integration.ray_train import TuneReportCallback
 
     study = plan.study
     scaling = study.scaling
     fs, trials_path = storage.ray_storage(storage.join(study.study_uri, "trials"))
-    return TorchTrainer(
+    return trainer_class()(
         train_worker,
         train_loop_config={"plan": plan},
         scaling_config=scaling_config(scaling),
@@ -196,16 +254,38 @@ def trainer_for(plan: TrialPlan, in_tune: bool):
 def tune_trial(config: dict, study: Study) -> None:
     """One Tune trial = one Ray Train run (or, for one worker, the loop in this process). Its
     last Tune report is the trial summary."""
-    c = config["trial"]
-    plan = TrialPlan.from_config(study, c)
-    if is_fast_path(study.scaling):
-        kept = fast_path.train_in_trial(plan, batch_source(study))
-        summary = summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
-    else:
-        result = trainer_for(plan, in_tune=True).fit()
-        prune_unregistered(plan, result)
-        summary = summarize(plan, result)
+    plan = TrialPlan.from_config(study, config["trial"])
+    try:
+        summary = train_trial(plan)
+    except Exception as e:
+        error = data_error_of(e)
+        if error is None:
+            raise  # Tune retries it (TuneRun's FailureConfig)
+        summary = failed_summary(plan, error)
     ray.tune.report({**summary, "summary": True})
+
+
+def train_trial(plan: TrialPlan) -> dict:
+    if is_fast_path(plan.study.scaling):
+        kept = fast_path.train_in_trial(plan, batch_source(plan.study))
+        return summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
+    result = trainer_for(plan, in_tune=True).fit()
+    prune_unregistered(plan, result)
+    return summarize(plan, result)
+
+
+def failed_summary(plan: TrialPlan, error: DataError) -> dict:
+    """A data error ends the trial without a retry (Tune restarts a trial that raises): the
+    summary of a failed trial, with the error's message, also kept as the trial's error.txt."""
+    message = str(error)
+    storage.write_bytes_atomic(storage.join(plan.trial_uri, ERROR_FILE), (message + "\n").encode())
+    return {
+        plan.study.training.metric: worst(plan.study.training.mode),
+        "status": "failed",
+        "error": message,
+        "best_step": None,
+        "best_checkpoint": None,
+    }
 
 
 def summarize(plan: TrialPlan, result) -> dict:

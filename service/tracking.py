@@ -57,7 +57,9 @@ class TrialTable:
     def load_existing(self) -> None:
         """Pick up the rows of an earlier, interrupted run of the same study."""
         if storage.exists(self.parquet_uri):
-            table = pq.read_table(io.BytesIO(storage.read_bytes(self.parquet_uri)))
+            table = pq.read_table(
+                io.BytesIO(storage.read_bytes(self.parquet_uri)), pre_buffer=False, use_threads=False
+            )
             for row in table.to_pylist():
                 self.rows[row["trial_name"]] = {k: v for k, v in row.items() if v is not None}
 
@@ -113,7 +115,8 @@ def read_rows(study_uri: str) -> list[dict]:
     uri = storage.join(study_uri, "trials.parquet")
     if not storage.exists(uri):
         return []
-    return pq.read_table(io.BytesIO(storage.read_bytes(uri))).to_pylist()
+    # Read on this thread: Python-owned bytes (see data.files.ParquetReader.read_row_group).
+    return pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False).to_pylist()
 
 
 def cell(v) -> str:

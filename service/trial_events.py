@@ -71,7 +71,7 @@ class TrialEvents:
         row = self.table.update(name, status="FAILED", error=error)
         self.table.save_soon()
         self._done(name, row)
-        print(f"[{name}] FAILED (see {error})", flush=True)
+        print(f"[{name}] FAILED: {error}", flush=True)
 
     def _done(self, name: str, row: dict) -> None:
         self.limiter.forget(name)  # nothing per trial stays behind in the coordinator but its row

@@ -26,14 +26,16 @@ TRIAL_DRIVER_MEMORY = 1 << 20
 # Tune restarts a trial whose process died (a fast-path trial resumes from its latest
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
+ERROR_FILE = "error.txt"
+"""A failed trial's error, in its folder of the study's storage."""
 
 
 class ProgressCallback(tune.Callback):
-    """Sends Tune's trial events to the coordinator. Holds only its handle: Tune pickles its
-    callbacks with the experiment state."""
+    """Sends Tune's trial events to the coordinator. Holds only its handle and the study's
+    trials folder: Tune pickles its callbacks with the experiment state."""
 
-    def __init__(self, coordinator):
-        self.coordinator = coordinator
+    def __init__(self, coordinator, trials_uri: str):
+        self.coordinator, self.trials_uri = coordinator, trials_uri
 
     def _send(self, kind: str, trial, *args) -> None:
         ray.get(self.coordinator.trial_event.remote(kind, trial.config["trial"], *args))
@@ -42,13 +44,34 @@ class ProgressCallback(tune.Callback):
         self._send("started", trial)
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result.get("summary") and result.get("status") == "failed":
+            # A data error: the trial function ended it without a retry (`launch.tune_trial`),
+            # its message already in the trial's error.txt.
+            self._send("error", trial, result["error"])
+            return
         self._send("result", trial, {k: v for k, v in result.items() if k != "config"})
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._send("complete", trial)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self._send("error", trial, str(trial.error_file or "failed"))
+        """A trial that failed after Tune's retries: its error's last line to the trial row,
+        the whole of Tune's error file (every attempt's traceback, in Ray's session folder on
+        this node) to the trial's error.txt in the study's storage."""
+        text = ""
+        if trial.error_file:
+            try:
+                with open(trial.error_file) as f:
+                    text = f.read()
+            except OSError:
+                pass
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            self._send("error", trial, "failed (no error recorded)")
+            return
+        uri = storage.join(self.trials_uri, trial.config["trial"]["trial_name"], ERROR_FILE)
+        storage.write_bytes_atomic(uri, text.encode())
+        self._send("error", trial, f"{lines[-1]} (all of it: {uri})")
 
 
 def is_fast_path(scaling) -> bool:
@@ -118,6 +141,9 @@ class TuneRun:
                 failure_config=tune.FailureConfig(max_failures=MAX_TRIAL_RESTARTS),
                 # Tune's result.json per trial (what its ResultGrid reads at the run's end); no
                 # CSV or TensorBoard logs (see __init__).
-                callbacks=[ProgressCallback(coordinator), JsonLoggerCallback()],
+                callbacks=[
+                    ProgressCallback(coordinator, storage.join(study.study_uri, "trials")),
+                    JsonLoggerCallback(),
+                ],
             ),
         ).fit()

@@ -102,7 +102,7 @@ def _saved_values(study: Study, row: Mapping[str, Any], metric_name: str):
     for split in ("validation-sample", "validation"):
         uri = plan.predictions_uri(split, int(row["best_step"]))
         if storage.exists(uri):
-            table = pq.read_table(io.BytesIO(storage.read_bytes(uri)))
+            table = pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False)
             column = f"metric/{metric_name}"
             if column not in table.column_names:
                 return None

@@ -12,7 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from service import storage
-from service.errors import DataError
+from service.errors import DataError, SpecError, StorageError
+
+KINDS = ("integer", "floating", "numeric", "boolean", "string", "binary")
+"""The type kinds a workload's `column_types` names (and "list<KIND>")."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,78 @@ def list_files(uri: str) -> list[DataFile]:
             with fs.open(p, "rb") as f:
                 rows = pq.ParquetFile(f).metadata.num_rows
         except (OSError, pa.ArrowException) as e:
-            raise DataError(f"{full}: not a readable parquet file ({e})") from None
+            raise unreadable(full, e) from None
         files.append(DataFile(full, rows))
     return files
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def unreadable(uri: str, e: Exception) -> DataError | StorageError:
+    """A failed read of a data file as the error a trial acts on: a DataError (the same on
+    every try: the trial fails at once) for a file that is not parquet or is corrupt, or for
+    any failure of a local file; a StorageError (retried) for an I/O failure of remote
+    storage, which may be transient (Arrow reports a corrupt page as an OSError too, so a
+    corrupt remote file is retried before it fails)."""
+    if isinstance(e, pa.ArrowException) or is_local(uri):
+        return DataError(f"{uri}: not a readable parquet file ({e})")
+    return StorageError(f"{uri}: cannot read it ({e})")
+
+
+def type_kind(t: pa.DataType) -> str:
+    """A parquet column's Arrow type as a kind of `KINDS` (or list<KIND>, or the type itself)."""
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_floating(t):
+        return "floating"
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return "binary"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return f"list<{type_kind(t.value_type)}>"
+    return str(t)
+
+
+def kind_matches(declared: str, kind: str) -> bool:
+    if declared.startswith("list<") and kind.startswith("list<"):
+        return kind_matches(declared[5:-1], kind[5:-1])
+    return kind == declared or (declared == "numeric" and kind in ("integer", "floating"))
+
+
+def check_declared_kinds(workload) -> None:
+    """The workload's `column_types` name its own columns and known kinds."""
+    for column, declared in workload.column_types.items():
+        inner = declared
+        while inner.startswith("list<") and inner.endswith(">"):
+            inner = inner[5:-1]
+        if column not in workload.columns or inner not in KINDS:
+            raise SpecError(
+                f"workload: {workload.name}.column_types[{column!r}] = {declared!r}: "
+                + (
+                    f"not one of its columns ({', '.join(workload.columns)})"
+                    if column not in workload.columns
+                    else f"not a kind ({', '.join(KINDS)}, or list<KIND>)"
+                )
+            )
+
+
+def check_column_types(uri: str, schema: pa.Schema, workload) -> None:
+    """Each column the workload declares in `column_types` has that kind in this file's schema
+    (footer only: every value of a parquet column has the column's type)."""
+    for column, declared in workload.column_types.items():
+        if column not in schema.names:
+            continue  # a missing column is named by the caller's own check
+        t = schema.field(column).type
+        if not kind_matches(declared, type_kind(t)):
+            raise DataError(
+                f"{uri}: column {column!r} is {t} ({type_kind(t)}), but workload {workload.name} "
+                f"declares it {declared} (column_types)"
+            )
 
 
 # Every data file this process opened, in order (the trial metadata reports them per rank).
@@ -64,8 +136,10 @@ class ParquetReader:
     must give each column the type the first file gave it (a schema mismatch names the file
     and the column)."""
 
-    def __init__(self, columns: tuple[str, ...]):
+    def __init__(self, columns: tuple[str, ...], workload=None):
         self.columns = columns
+        self.workload = workload
+        """Checks each file's types against the workload's `column_types` when given."""
         self.expected: dict[str, tuple[pa.DataType, str]] = {}
         self._footers: OrderedDict[str, pq.FileMetaData] = OrderedDict()
         self._lock = threading.Lock()
@@ -91,11 +165,12 @@ class ParquetReader:
         fs, path = storage.split(uri)
         try:
             # Local files through pyarrow's own file (a window decoded ~25% faster here than
-            # through a Python file object); any other storage through fsspec.
-            source = path if "://" not in uri or uri.startswith("file://") else fs.open(path, "rb")
-            pf = pq.ParquetFile(source, metadata=footer)
+            # through a Python file object); any other storage through fsspec, read on the
+            # calling thread (see `read_row_group`).
+            source = path if is_local(uri) else fs.open(path, "rb")
+            pf = pq.ParquetFile(source, metadata=footer, pre_buffer=is_local(uri))
         except (OSError, pa.ArrowException) as e:
-            raise DataError(f"{uri}: not a readable parquet file ({e})") from None
+            raise unreadable(uri, e) from None
         try:
             yield pf
         finally:
@@ -109,6 +184,8 @@ class ParquetReader:
             want = self.expected.setdefault(c, (got, uri))
             if got != want[0]:
                 raise DataError(f"{uri}: column {c!r} has type {got}, expected {want[0]} (as in {want[1]})")
+        if self.workload is not None:
+            check_column_types(uri, schema, self.workload)
 
     def row_group_sizes(self, uri: str) -> list[int]:
         """Rows per row group (footer only)."""
@@ -116,18 +193,26 @@ class ParquetReader:
         return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
     def read_row_group(self, uri: str, index: int) -> pa.Table:
+        """One row group's columns. A file read through a Python file object (fsspec: any but a
+        local file; likewise Python bytes in a BytesIO) is read and decoded on the calling
+        thread (no pre-buffering, no Arrow threads): the buffers it returns are Python
+        objects, and an Arrow pool thread that drops the last reference to one must take the
+        GIL, which kills that thread (std::terminate: `terminate called without an active
+        exception`, exit 134) when the interpreter is exiting by then. Several row groups are
+        still read at once on the loader's own threads."""
         with self._open(uri, self._footer(uri)) as pf:
             try:
-                return pf.read_row_group(index, columns=list(self.columns))
+                return pf.read_row_group(index, columns=list(self.columns), use_threads=is_local(uri))
             except (OSError, pa.ArrowException) as e:
                 bad = self._bad_column(pf, index)
-                raise DataError(f"{uri}: {bad}cannot read row group {index} ({e})") from None
+                error = unreadable(uri, e)
+                raise type(error)(f"{uri}: {bad}cannot read row group {index} ({e})") from None
 
     def _bad_column(self, pf: pq.ParquetFile, index: int) -> str:
         """Which declared column fails to decode (read one at a time), as an error prefix."""
         for c in self.columns:
             try:
-                pf.read_row_group(index, columns=[c])
+                pf.read_row_group(index, columns=[c], use_threads=False)
             except (OSError, pa.ArrowException):
                 return f"column {c!r}: "
         return ""

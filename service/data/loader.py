@@ -99,7 +99,7 @@ class WindowReader:
 
     def __init__(self, workload: Workload, stats: LoaderStats | None = None, cache_bytes: int = 0):
         self.workload = workload
-        self.reader = ParquetReader(workload.columns)
+        self.reader = ParquetReader(workload.columns, workload)
         self.stats = stats or LoaderStats()
         self._pool: ThreadPoolExecutor | None = None
         # Piece -> its rows as read, reused by later epochs (tf.data's `cache()`), while all of
@@ -132,14 +132,28 @@ class WindowReader:
         try:
             tensors = self.workload.to_batch(table)
         except (pa.ArrowException, ValueError, TypeError) as e:
-            raise DataError(
-                f"{pieces[0].uri}: columns {', '.join(self.workload.columns)} cannot be turned into "
-                f"a batch by workload {self.workload.name} ({e})"
-            ) from None
+            raise DataError(self.where_to_batch_fails(table, pieces, e)) from None
         tensors["example_id"] = example_ids(table, self.workload, pieces[0].uri)
         self.stats.read_s += t1 - t0
         self.stats.preprocess_s += time.perf_counter() - t1
         return tensors
+
+    def where_to_batch_fails(self, table: pa.Table, pieces: list[Piece], error: Exception) -> str:
+        """The error of `to_batch` on a window's rows, naming the file, the column and the row
+        in the file (counted from 0) of the first value it fails on (`first_bad_row`,
+        `bad_column`)."""
+        w = self.workload
+        reason = f"workload {w.name} cannot turn it into a batch ({str(error).splitlines()[0]})"
+        row = first_bad_row(w, table)
+        if row is None:
+            return f"{pieces[0].uri}: {reason}"
+        for p in pieces:  # the table is the pieces' rows in piece order
+            if row < p.num_rows:
+                break
+            row -= p.num_rows
+        file_row = sum(self.reader.row_group_sizes(p.uri)[: p.row_group]) + p.lo + row
+        column = bad_column(w, table, sum(q.num_rows for q in pieces[: pieces.index(p)]) + row)
+        return f"{p.uri}: " + (f"column {column!r}, " if column else "") + f"row {file_row}: {reason}"
 
     def read_table(self, pieces: list[Piece]) -> pa.Table:
         """The pieces' rows, in piece order. The row groups of a window are read on threads at
@@ -156,6 +170,41 @@ class WindowReader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _converts(workload: Workload, table: pa.Table) -> bool:
+    try:
+        workload.to_batch(table)
+    except (pa.ArrowException, ValueError, TypeError):
+        return False
+    return True
+
+
+def first_bad_row(workload: Workload, table: pa.Table) -> int | None:
+    """The first row of `table` that `to_batch` fails on: the shortest failing prefix, by
+    bisection (to_batch converts rows independently). None if the whole table converts."""
+    if _converts(workload, table):
+        return None
+    lo, hi = 0, table.num_rows  # the prefix of lo rows converts; that of hi rows does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _converts(workload, table.slice(0, mid)) else (lo, mid)
+    return hi - 1
+
+
+def bad_column(workload: Workload, table: pa.Table, row: int, probes: int = 8) -> str | None:
+    """The column whose value in `row` `to_batch` fails on: that value put into a row that
+    converts (one of the first `probes` others) makes it fail. None if no such row is found."""
+    bad = table.slice(row, 1)
+    others = [i for i in range(table.num_rows) if i != row][:probes]
+    good = next((table.slice(i, 1) for i in others if _converts(workload, table.slice(i, 1))), None)
+    if good is None:
+        return None
+    for c in workload.columns:
+        i = good.schema.get_field_index(c)
+        if not _converts(workload, good.set_column(i, good.schema.field(i), bad.column(c))):
+            return c
+    return None
 
 
 def example_ids(table: pa.Table, workload: Workload, uri: str) -> torch.Tensor:
@@ -215,7 +264,7 @@ class TrainStream:
         self.workload, self.batch_size, self.data_seed = workload, batch_size, data_seed
         self.window = shuffle_window_row_groups
         self.stats = LoaderStats()
-        self.pieces = pieces_of(ranges, ParquetReader(workload.columns))
+        self.pieces = pieces_of(ranges, ParquetReader(workload.columns, workload))
         self.num_examples = sum(p.num_rows for p in self.pieces)
         if not self.num_examples:
             raise DataError("this rank's data shard is empty")
@@ -328,7 +377,7 @@ def iterate_files(
 def unused_columns(workload: Workload, ranges: list[RowRange], probe_rows: int = 4) -> list[str]:
     """Declared feature columns that `to_batch` does not need: it still succeeds on a few rows
     without them (they are read for nothing; the input-bound verdict names them)."""
-    reader = ParquetReader(workload.columns)
+    reader = ParquetReader(workload.columns, workload)
     pieces = pieces_of(ranges, reader)
     if not pieces:
         return []

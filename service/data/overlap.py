@@ -97,7 +97,10 @@ def overlap(train: SplitIds, other: SplitIds) -> Overlap:
 
 def _read(uri: str, column: str, row_groups: list[int] | None = None) -> np.ndarray:
     with _open(uri) as pf:
-        table = pf.read(columns=[column]) if row_groups is None else pf.read_row_groups(row_groups, [column])
+        if row_groups is None:
+            table = pf.read(columns=[column], use_threads=False)
+        else:
+            table = pf.read_row_groups(row_groups, [column], use_threads=False)
     return table.column(column).to_numpy()
 
 
@@ -109,4 +112,4 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 def _open(uri: str) -> Iterator[pq.ParquetFile]:
     fs, path = storage.split(uri)
     with fs.open(path, "rb") as fh:
-        yield pq.ParquetFile(fh)
+        yield pq.ParquetFile(fh, pre_buffer=False)  # read on this thread: see files.ParquetReader

@@ -152,10 +152,10 @@ def _preprocess_file(workload: Workload, f, writer: ShardWriter, rng: np.random.
     """One raw file, a row group at a time, into the shards (each row to a random shard)."""
     fs, path = storage.split(f.uri)
     with fs.open(path, "rb") as handle:
-        pf = pq.ParquetFile(handle)
+        pf = pq.ParquetFile(handle, pre_buffer=False)  # read on this thread: see files.ParquetReader
         for g in range(pf.num_row_groups):
             try:
-                raw = pf.read_row_group(g)
+                raw = pf.read_row_group(g, use_threads=False)
             except (OSError, pa.ArrowException) as e:
                 raise DataError(f"{f.uri}: cannot read row group {g} ({e})") from None
             try:

@@ -22,6 +22,12 @@ class Workload(abc.ABC):
     and adds it to every batch as `example_id`: `to_batch` need not return it."""
     label_column: str = "label"
     feature_columns: tuple[str, ...] = ()
+    column_types: dict[str, str] = {}
+    """The type each column must have in every data file, by kind: "integer", "floating",
+    "numeric" (either), "boolean", "string", "binary", or "list<KIND>" (a list or fixed-size
+    list of it). `playbook validate --data` and the loader check it from the files' footers
+    alone (`data.files.check_column_types`); a column not named here is only checked to have
+    the same type in every file."""
     metric_names: tuple[str, ...] = ("loss",)
     """Names of the per-example metrics `metrics()` returns (reported as validation/<name>)."""
     hparam_defaults: dict[str, Any] = {}

@@ -56,6 +56,7 @@ class SmallConvNet(nn.Module):
 class Digits(Workload):
     name = "digits"
     feature_columns = ("pixels",)
+    column_types = {"example_id": "integer", "pixels": "list<numeric>", "label": "integer"}
     hparam_defaults = {"width": 16, "dropout": 0.0, "augment": False}
     regularizers = {"dropout": 0.0}
     augmentation = {"augment": False}
