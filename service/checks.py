@@ -30,6 +30,7 @@ def resolve_paths(study: Study, storage_override: str | None = None) -> Study:
 
 def check_workload(study: Study) -> None:
     workload = workloads.get(study.workload)
+    check_declared_kinds(workload)
     metric_name = study.training.metric.split("/", 1)[1]
     if not study.training.metric.startswith("validation/") or metric_name not in workload.metric_names:
         known = ", ".join(f"validation/{m}" for m in workload.metric_names)
@@ -57,7 +58,6 @@ def check_data(study: Study) -> None:
     non-empty file, whose first rows the workload turns into a batch (footers only, and a few
     rows). A split needs rows; the training files must cover the hosts."""
     workload = workloads.get(study.workload)
-    check_declared_kinds(workload)
     for split in ("train", "validation", "test"):
         if getattr(study.data, split) is None:
             continue

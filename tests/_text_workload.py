@@ -43,3 +43,8 @@ def as_text(table: pa.Table, bad_row: int | None = None) -> pa.Table:
         values[bad_row][0] = "n/a"
     i = table.schema.get_field_index("pixels")
     return table.set_column(i, "pixels", pa.array(values, pa.list_(pa.string())))
+
+
+class MistypedDigits(Digits):
+    name = "mistyped_digits"
+    column_types = {"label": "int"}  # not a kind: "integer"

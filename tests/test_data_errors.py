@@ -117,3 +117,15 @@ def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path,
     assert stored[row["trial_name"]]["error"] == row["error"]
     assert len(os.listdir(attempts)) == workers  # one attempt: one model per rank
     assert elapsed < FAIL_FAST_S, elapsed
+
+
+def test_a_column_type_that_is_no_kind_is_refused_by_validate(digits_dir, tmp_path, capsys):
+    raw = study_dict(digits_dir, tmp_path / "storage", workload="tests._text_workload:MistypedDigits")
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert cli.main(["validate", str(study_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "playbook: error: workload: mistyped_digits.column_types['label'] = 'int': not a kind"
+    )
