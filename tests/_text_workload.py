@@ -48,3 +48,13 @@ def as_text(table: pa.Table, bad_row: int | None = None) -> pa.Table:
 class MistypedDigits(Digits):
     name = "mistyped_digits"
     column_types = {"label": "int"}  # not a kind: "integer"
+
+
+class BrokenModelDigits(TextDigits):
+    """A model that cannot be built (a bug, not a data error): every attempt fails."""
+
+    name = "broken_model_digits"
+
+    def build_model(self, hparams):
+        super().build_model(hparams)  # counts the attempt
+        raise RuntimeError("this model cannot be built")

@@ -129,3 +129,38 @@ def test_a_column_type_that_is_no_kind_is_refused_by_validate(digits_dir, tmp_pa
     assert err.startswith(
         "playbook: error: workload: mistyped_digits.column_types['label'] = 'int': not a kind"
     )
+
+
+@pytest.mark.ray
+def test_another_failure_is_retried_and_its_error_kept_in_storage(ray_cluster, digits_dir, tmp_path):
+    """Not a data error: Tune retries the trial (MAX_TRIAL_RESTARTS), then the row holds the
+    error's last line (not a path in Ray's session folder) and error.txt the whole of it."""
+    from service.coordinator import run_study
+    from service.tune_run import MAX_TRIAL_RESTARTS
+
+    data = copy_splits(digits_dir, tmp_path / "data", as_text, as_text)
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+    study = make_study(
+        digits_dir,
+        tmp_path / "storage",
+        name="broken-model",
+        workload="tests._text_workload:BrokenModelDigits",
+        data=data,
+        search={
+            "learning_rate": {"role": "fixed", "value": 0.1},
+            "width": {"role": "fixed", "value": 4},
+            "attempts_dir": {"role": "fixed", "value": str(attempts)},
+        },
+        rounds=[{"name": "explore", "num_trials": 1}],
+    )
+    (row,) = run_study(study)
+    error_txt = os.path.join(study.study_uri, "trials", row["trial_name"], "error.txt")
+    assert row["status"] == "FAILED"
+    assert row["error"].startswith("RuntimeError: this model cannot be built"), row["error"]
+    assert row["error"].endswith(f"(all of it: {error_txt})")
+    with open(error_txt) as f:
+        text = f.read()
+    assert f"Failure # {1 + MAX_TRIAL_RESTARTS}" in text  # every attempt's traceback
+    assert 'in build_model\n    raise RuntimeError("this model cannot be built")' in text
+    assert len(os.listdir(attempts)) == 1 + MAX_TRIAL_RESTARTS
