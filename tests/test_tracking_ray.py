@@ -60,7 +60,7 @@ def tracked_study(ray_cluster, digits_dir, tmp_path_factory):
         },
         tracking={"mlflow_uri": f"file://{mlruns}", "progress_interval_s": 5},
     )
-    record = provenance.capture(REPO, study.study_uri)
+    record = provenance.capture(study.study_uri, study.workload, [REPO])
     port = ray_cluster.nodes()[0]["MetricsExportPort"]
     coordinator = Coordinator.options(name=actor_name(study.name), namespace=NAMESPACE).remote(study)
     try:
