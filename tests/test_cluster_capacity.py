@@ -79,9 +79,9 @@ def test_unbounded_groups_and_no_autoscaler(digits_dir, tmp_path):
 RAY_DATA_INPUT = {"workers": "ray_data", "num_input_workers": 2, "cpus_per_input_worker": 0.5}
 
 
-def test_the_check_counts_a_trials_ray_data_input_workers(digits_dir, tmp_path):
+def two_by_two(digits_dir, tmp_path):
+    """A 2-host x 2-worker study of 1 CPU a worker, without and with Ray Data input workers."""
     layout = {"num_hosts": 2, "workers_per_host": 2, "cpus_per_worker": 1}
-    local = study(digits_dir, tmp_path, **layout)
     with_input = make_study(
         digits_dir,
         tmp_path,
@@ -89,6 +89,11 @@ def test_the_check_counts_a_trials_ray_data_input_workers(digits_dir, tmp_path):
         training={"batch_size": 32, "eval_batch_size": 64},
         input=RAY_DATA_INPUT,
     )
+    return study(digits_dir, tmp_path, **layout), with_input
+
+
+def test_the_check_counts_a_trials_ray_data_input_workers(digits_dir, tmp_path):
+    local, with_input = two_by_two(digits_dir, tmp_path)
     four_cpus = [{"Alive": True, "Resources": {"CPU": 2}}] * 2  # the workers alone fit exactly
     check_resources(local, four_cpus)
     with pytest.raises(SpecError, match=r"^input.num_input_workers: .* = 8 CPUs, but the Ray cluster has 4"):
@@ -99,15 +104,7 @@ def test_the_check_counts_a_trials_ray_data_input_workers(digits_dir, tmp_path):
 def test_trials_at_once_count_everything_a_trial_holds(digits_dir, tmp_path):
     from service.coordinator import trials_that_fit
 
-    layout = {"num_hosts": 2, "workers_per_host": 2, "cpus_per_worker": 1}
-    local = study(digits_dir, tmp_path, **layout)
-    with_input = make_study(
-        digits_dir,
-        tmp_path,
-        scaling=layout,
-        training={"batch_size": 32, "eval_batch_size": 64},
-        input=RAY_DATA_INPUT,
-    )
+    local, with_input = two_by_two(digits_dir, tmp_path)
     assert trials_that_fit(local, {"CPU": 4.0}) == 1  # exactly one: its driver holds no CPU
     assert trials_that_fit(local, {"CPU": 17.0}) == 4
     assert trials_that_fit(with_input, {"CPU": 17.0}) == 2  # 8 CPUs a trial
