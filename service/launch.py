@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
 import uuid
 import warnings
 
@@ -156,11 +157,32 @@ def log_known_warnings() -> None:
     warnings.showwarning = showwarning
 
 
+def quiet_exit_on_sigterm() -> None:
+    """Ray ends a trial's processes with SIGTERM (a Tune run's actors at its end), and its
+    handler raises SystemExit. Landing inside a weakref callback or `__del__`, that SystemExit
+    cannot propagate: Python prints it as `Exception ignored ... SystemExit: 1`, which the job
+    log shows as a traceback of a run that succeeded. Such a SystemExit goes to Ray's log file
+    instead; every other unraisable exception is printed as usual."""
+    if getattr(sys.unraisablehook, "playbook", False):
+        return
+    log = logging.getLogger("ray.tune.playbook")
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, SystemExit):
+            log.debug("SystemExit(%s) at process exit in %r", unraisable.exc_value.code, unraisable.object)
+        else:
+            sys.__unraisablehook__(unraisable)
+
+    hook.playbook = True
+    sys.unraisablehook = hook
+
+
 def train_worker(config: dict) -> None:
     import ray.train.torch
 
     quiet_train_console()
     log_known_warnings()
+    quiet_exit_on_sigterm()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
     loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device(), batch_source(plan.study))
@@ -254,6 +276,7 @@ def trainer_for(plan: TrialPlan, in_tune: bool):
 def tune_trial(config: dict, study: Study) -> None:
     """One Tune trial = one Ray Train run (or, for one worker, the loop in this process). Its
     last Tune report is the trial summary."""
+    quiet_exit_on_sigterm()
     plan = TrialPlan.from_config(study, config["trial"])
     try:
         summary = train_trial(plan)

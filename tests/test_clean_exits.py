@@ -184,3 +184,37 @@ def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir
     assert "best trial: explore-0000" in out.stdout
     for noise in ("Traceback", "FutureWarning", "Exception ignored", "Error"):
         assert noise not in text, text[-4000:]
+
+
+EXIT_IN_A_WEAKREF_CALLBACK = """
+import sys, weakref
+{install}
+class Obj:
+    pass
+
+def callback(ref):  # what Ray's SIGTERM handler does when the signal lands in a weakref callback
+    raise SystemExit(1)
+
+obj = Obj()
+ref = weakref.ref(obj, callback)
+del obj
+weakref.ref(Obj(), lambda r: 1 / 0)  # any other unraisable exception is still printed
+print("went on")
+"""
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_a_sigterm_exit_in_a_callback_prints_no_traceback_in_a_trials_process(installed):
+    """A trial's processes (the Tune trial, each Ray Train worker) call `quiet_exit_on_sigterm`:
+    a SystemExit that Python cannot raise goes to Ray's log, not to the job log. Without it
+    (the first case) Python prints `Exception ignored ... SystemExit: 1`."""
+    install = "from service.launch import quiet_exit_on_sigterm; quiet_exit_on_sigterm()" if installed else ""
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_IN_A_WEAKREF_CALLBACK.format(install=install)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout == "went on\n"
+    assert "ZeroDivisionError" in out.stderr
+    assert ("SystemExit" in out.stderr) is not installed, out.stderr
