@@ -122,7 +122,7 @@ class Sampler:
 
 
 def study_spec(data: str, storage: str, name: str, num_trials: int, steps: int, scaling: dict | None = None):
-    from service import spec
+    from service.study import spec
 
     return spec.load_dict(
         {
@@ -201,7 +201,7 @@ def tune_run_cpu(samples: list[dict]) -> tuple[float, int]:
 def measure_study(tmp: str) -> dict:
     import ray
 
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
 
     data = f"{tmp}/data"
     study = study_spec(data, f"{tmp}/studies", "bench-cluster", STUDY_TRIALS, STUDY_STEPS)
@@ -286,8 +286,8 @@ def measure_multihost(tmp: str) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from service import launch
-    from service.trial import TrialPlan
+    from service.orchestration import launch
+    from service.planning.trial import TrialPlan
 
     study = study_spec(
         f"{tmp}/data",
@@ -339,8 +339,8 @@ def measure_multihost(tmp: str) -> dict:
 
 def rank0_gate_s() -> float:
     """What `Rank0.run` adds to a call on a rank that skips it (the gate alone)."""
-    from service.topology import Topology
     from service.trainer.rank0 import Rank0
+    from service.trainer.topology import Topology
 
     gate = Rank0(Topology(world_rank=1, world_size=MH_HOSTS))
     number = 100_000

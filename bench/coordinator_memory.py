@@ -77,8 +77,8 @@ def slope(points: list[tuple[float, float]]) -> float:
 def measure(tmp: str) -> dict:
     import ray
 
-    from service import coordinator as coord
     from service.data.builtin import write_digits
+    from service.orchestration import coordinator as coord
 
     write_digits(f"{tmp}/data")
     study = study_spec(f"{tmp}/data", f"{tmp}/studies", "bench-memory", TRIALS, STUDY_STEPS)

@@ -57,11 +57,11 @@ def bare_steps_per_s(width: int, batch: int, steps: int, autocast: bool) -> floa
 
 def service_steps_per_s(steps: int, batch: int, width: int) -> float:
     from bench.step import Discard
-    from service import spec
     from service.data.builtin import write_digits
-    from service.topology import Topology
+    from service.planning.trial import TrialPlan
+    from service.study import spec
     from service.trainer import loop
-    from service.trial import TrialPlan
+    from service.trainer.topology import Topology
 
     with tempfile.TemporaryDirectory() as tmp:
         write_digits(f"{tmp}/data")

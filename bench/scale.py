@@ -34,13 +34,16 @@ import time
 import tracemalloc
 
 from bench.common import figure
-from service import observe, report, spec, study_index, tracking
+from service import report
 from service.analysis.report_lines import round_verdicts
 from service.data.files import DataFile
 from service.data.sharding import train_shard
-from service.rounds import plan_round
-from service.trial import TrialPlan
-from service.trial_events import TrialEvents
+from service.orchestration.study_metrics import StudyMetrics
+from service.planning.rounds import plan_round
+from service.planning.trial import TrialPlan
+from service.study import spec
+from service.tracking import observe, study_index, trial_table
+from service.tracking.trial_events import TrialEvents
 
 PLAN_TRIALS = (10, 100, 1_000, 10_000, 100_000)
 FILES = (100, 1_000, 10_000, 100_000, 300_000)
@@ -167,8 +170,8 @@ def record_study(study: spec.Study, reports: int, seed: int = 0) -> TrialEvents:
 
 def _record_study(study: spec.Study, reports: int, seed: int) -> TrialEvents:
     rng = random.Random(seed)
-    observers = observe.StudyObservers.for_study(study)
-    table = tracking.TrialTable(
+    observers = observe.StudyObservers.for_study(study, StudyMetrics(study.name, study.training.mode))
+    table = trial_table.TrialTable(
         study.study_uri, study.training.metric, study.training.mode, observers.rows_changed
     )
     metric = study.training.metric

@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import torch
 
 from bench.common import figure
-from service import spec, workloads
+from service import workloads
 from service.data.builtin import write_digits
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer import loop
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 
 STEPS, BATCH, REPEATS = 300, 64, 5
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}

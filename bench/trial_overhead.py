@@ -73,14 +73,14 @@ def ray_train_trial(config: dict, study) -> None:
     """The service's trial as it ran before the fast path: one TorchTrainer.fit per trial."""
     import ray.tune
 
-    from service import launch
+    from service.orchestration import launch
 
     plan = launch.TrialPlan(study, config["trial_name"], "r", dict(HPARAMS), STEPS)
     ray.tune.report({**launch.summarize(plan, launch.trainer_for(plan, in_tune=True).fit()), "summary": True})
 
 
 def service_study(data_dir: str, storage: str):
-    from service import spec
+    from service.study import spec
 
     return spec.load_dict(
         {
@@ -138,7 +138,7 @@ def run() -> dict:
     from ray import tune
 
     from service.data.builtin import write_digits
-    from service.tune_run import study_trainable
+    from service.orchestration.tune_run import study_trainable
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -183,7 +183,9 @@ def run() -> dict:
         ray.shutdown()
     med = statistics.median
     overhead = {k: med([w - s for w, s in zip(walls[k], loops[k], strict=True)]) for k in walls}
-    imports = {m: import_seconds(m) for m in ("torch", "ray.tune", "ray.train.torch", "service.launch")}
+    imports = {
+        m: import_seconds(m) for m in ("torch", "ray.tune", "ray.train.torch", "service.orchestration.launch")
+    }
     raw = {
         "plain_overhead_s": overhead["plain"],
         "service_overhead_s": overhead["service"],

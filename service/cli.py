@@ -8,9 +8,9 @@ import json
 import os
 import sys
 
-from service import spec
-from service.errors import PlaybookError, SpecError, StudyNotFound
-from service.tracking import cell
+from service.core.errors import PlaybookError, SpecError, StudyNotFound
+from service.study import spec
+from service.tracking.trial_table import cell
 
 DEMO_STUDY = "studies/digits-demo.yaml"
 
@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
 
 def load_study(path: str, storage_override: str | None = None) -> spec.Study:
     from service import workloads
-    from service.checks import check_workload, resolve_paths
+    from service.study.checks import check_workload, resolve_paths
 
     workloads.use_import_path(workloads.import_path(path))  # a workload module of one's own
     study = resolve_paths(spec.load_file(path), storage_override)
@@ -115,7 +115,7 @@ def load_study(path: str, storage_override: str | None = None) -> spec.Study:
 def cmd_validate(args) -> int:
     study = load_study(args.study_file)
     if args.data:
-        from service.checks import check_data
+        from service.study.checks import check_data
 
         check_data(study)
     from service.analysis.round_checks import validate_findings
@@ -136,7 +136,7 @@ def connect_ray(import_path: list[str] | None = None) -> None:
     import ray
 
     from service import workloads
-    from service.coordinator import NAMESPACE
+    from service.orchestration.coordinator import NAMESPACE
 
     if not ray.is_initialized():
         ray.init(
@@ -151,24 +151,25 @@ def connect_ray(import_path: list[str] | None = None) -> None:
 def check_cluster(study: spec.Study) -> None:
     """The connected Ray cluster can hold one trial of the study (refused before it starts)."""
     import ray
-    from ray._private.state import state
 
-    from service.checks import autoscaler_nodes, check_resources
+    from service.orchestration.ray_private import cluster_config
+    from service.study.checks import autoscaler_nodes, check_resources
 
     # An autoscaling cluster is judged by what it can grow to, a fixed one by what it has.
-    check_resources(study, autoscaler_nodes(state.get_cluster_config(), study) or ray.nodes())
+    check_resources(study, autoscaler_nodes(cluster_config(), study) or ray.nodes())
 
 
 def cmd_run(args) -> int:
-    from service import provenance, workloads
-    from service.checks import check_data, check_same_study, check_storage
-    from service.coordinator import run_study
+    from service import workloads
+    from service.orchestration.coordinator import run_study
+    from service.study.checks import check_data, check_same_study, check_storage
+    from service.tracking import provenance
 
     study = load_study(args.study_file, args.storage)
     check_data(study)
     check_storage(study)
     check_same_study(study)
-    from service.mlflow_mirror import check_available
+    from service.tracking.mlflow_mirror import check_available
 
     check_available(study)
     paths = workloads.import_path(args.study_file)
@@ -191,7 +192,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from service import storage, tracking
+    from service.core import storage
+    from service.tracking import trial_table
 
     if os.path.isfile(args.study):
         study = load_study(args.study, args.storage)
@@ -217,7 +219,7 @@ def cmd_status(args) -> int:
             name, metric, mode = stored.name, stored.training.metric, stored.training.mode
     live = None
     if os.environ.get("RAY_ADDRESS"):
-        from service.coordinator import live_status
+        from service.orchestration.coordinator import live_status
 
         connect_ray()
         live = live_status(name)
@@ -225,7 +227,7 @@ def cmd_status(args) -> int:
         print(f"study {name}: {live['state']} (round {live['round']})")
         rows = live["trials"]
     else:
-        rows = tracking.read_rows(study_uri)
+        rows = trial_table.read_rows(study_uri)
         if not rows:
             raise StudyNotFound(f"{name}: no running coordinator and no trials under {study_uri}")
         print(f"study {name}: stored at {study_uri}")
@@ -235,8 +237,8 @@ def cmd_status(args) -> int:
 
 
 def print_verdicts(study_uri: str) -> None:
-    from service import storage
     from service.analysis.report_lines import log_lines
+    from service.core import storage
 
     uri = storage.join(study_uri, "verdicts.json")
     if storage.exists(uri):
@@ -259,7 +261,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_studies(args) -> int:
-    from service import storage, study_index
+    from service.core import storage
+    from service.tracking import study_index
 
     root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
     rows = study_index.read_table(root)
@@ -276,11 +279,12 @@ def cmd_studies(args) -> int:
 
 
 def cmd_find_steps(args) -> int:
-    from service import find_steps, storage
-    from service.checks import check_data, check_same_study, check_storage
-    from service.coordinator import run_study
-    from service.launch import read_metrics_log
-    from service.trial import TrialPlan
+    from service.core import storage
+    from service.orchestration.coordinator import run_study
+    from service.orchestration.launch import read_metrics_log
+    from service.planning import find_steps
+    from service.planning.trial import TrialPlan
+    from service.study.checks import check_data, check_same_study, check_storage
 
     study = load_study(args.study_file, args.storage)
     if study.find_steps is None:
@@ -311,9 +315,11 @@ def cmd_find_steps(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from service import provenance, storage, workloads
+    from service import workloads
+    from service.core import storage
     from service.evaluation.offline import locate, output_uri, split_uri, stored_study
-    from service.launch import run_offline_eval
+    from service.orchestration.launch import run_offline_eval
+    from service.tracking import provenance
 
     uri = storage.absolute(args.checkpoint_uri)
     if not storage.exists(storage.join(uri, "state.pt")):
@@ -349,7 +355,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from service import storage
+    from service.core import storage
     from service.data.builtin import write_digits
 
     written = write_digits(storage.absolute(args.uri))
@@ -359,7 +365,8 @@ def cmd_data(args) -> int:
 
 
 def cmd_preprocess(args) -> int:
-    from service import storage, workloads
+    from service import workloads
+    from service.core import storage
     from service.data.preprocess import PROVENANCE_FILE, preprocess
 
     workloads.use_import_path([os.path.abspath(os.getcwd())])
@@ -382,7 +389,7 @@ def cmd_preprocess(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from service import storage
+    from service.core import storage
     from service.data.builtin import write_digits
 
     raw = spec.load_file(args.study_file)

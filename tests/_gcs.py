@@ -82,7 +82,7 @@ def emulated_bucket(tmp_dir: str) -> Iterator[str]:
     os.environ["STORAGE_EMULATOR_HOST"] = endpoint
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
     try:
-        from service import storage
+        from service.core import storage
 
         fs, _ = storage.split(f"gs://{BUCKET}")
         fs.mkdir(BUCKET)

@@ -170,7 +170,7 @@ def _(c):
 
 @case("workload-not-a-workload")
 def _(c):
-    c.raw["workload"] = "service.spec:Study"
+    c.raw["workload"] = "service.study.spec:Study"
     return run(c), "workload"
 
 
@@ -368,8 +368,8 @@ def _(c):
 
 @case("storage-stored-trial-table-corrupt")
 def _(c):
-    from service import spec
-    from service.checks import resolve_paths
+    from service.study import spec
+    from service.study.checks import resolve_paths
 
     study_dir = os.path.join(c.storage, "t")
     os.makedirs(study_dir)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from service import spec
 from service.data.builtin import write_digits
+from service.study import spec
 
 MINIMAL_STUDY = {
     "name": "tiny",
@@ -76,7 +76,7 @@ def ray_cluster():
     """One local Ray cluster shared by every test that needs Ray."""
     import ray
 
-    from service.coordinator import NAMESPACE
+    from service.orchestration.coordinator import NAMESPACE
 
     ray.init(
         address="local",  # a new cluster, never one that another process started on this machine

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
-from service import spec
-from service.tracking import TrialTable
+from service.study import spec
+from service.tracking.trial_table import TrialTable
 from tests.conftest import study_dict
 
 VALIDATE_RUNS = 30
@@ -208,7 +208,11 @@ def test_a_sigterm_exit_in_a_callback_prints_no_traceback_in_a_trials_process(in
     """A trial's processes (the Tune trial, each Ray Train worker) call `quiet_exit_on_sigterm`:
     a SystemExit that Python cannot raise goes to Ray's log, not to the job log. Without it
     (the first case) Python prints `Exception ignored ... SystemExit: 1`."""
-    install = "from service.launch import quiet_exit_on_sigterm; quiet_exit_on_sigterm()" if installed else ""
+    install = (
+        "from service.orchestration.launch import quiet_exit_on_sigterm; quiet_exit_on_sigterm()"
+        if installed
+        else ""
+    )
     out = subprocess.run(
         [sys.executable, "-c", EXIT_IN_A_WEAKREF_CALLBACK.format(install=install)],
         capture_output=True,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from ray.core.generated import autoscaler_pb2
 
-from service.checks import autoscaler_nodes, check_resources
-from service.errors import SpecError
+from service.core.errors import SpecError
+from service.study.checks import autoscaler_nodes, check_resources
 from tests.conftest import make_study
 
 
@@ -102,7 +102,7 @@ def test_the_check_counts_a_trials_ray_data_input_workers(digits_dir, tmp_path):
 
 
 def test_trials_at_once_count_everything_a_trial_holds(digits_dir, tmp_path):
-    from service.coordinator import trials_that_fit
+    from service.orchestration.coordinator import trials_that_fit
 
     local, with_input = two_by_two(digits_dir, tmp_path)
     assert trials_that_fit(local, {"CPU": 4.0}) == 1  # exactly one: its driver holds no CPU

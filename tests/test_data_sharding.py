@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from service.core.errors import DataError
 from service.data.files import DataFile, list_files
 from service.data.loader import TrainStream
 from service.data.sharding import RowRange, files_for_hosts, row_ranges, train_shard
-from service.errors import DataError
 from service.workloads.digits import Digits
 
 

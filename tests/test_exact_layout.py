@@ -12,7 +12,7 @@ import threading
 import pyarrow.parquet as pq
 import pytest
 
-from service import spec
+from service.study import spec
 from service.trainer import checkpoint
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -25,7 +25,7 @@ def two_cpus():
     """A Ray cluster of its own with exactly 2 CPUs."""
     import ray
 
-    from service.coordinator import NAMESPACE
+    from service.orchestration.coordinator import NAMESPACE
 
     ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
     try:
@@ -60,7 +60,7 @@ def tied_study(digits_dir, storage, name: str, workers: int) -> spec.Study:
 
 
 def run_within_timeout(study) -> list[dict]:
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
 
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(rows=run_study(study)), daemon=True)
@@ -90,8 +90,8 @@ def check_tied_best(study, rows) -> None:
 
 
 def test_two_workers_on_two_cpus_run_and_report_a_kept_best_on_ties(two_cpus, digits_dir, tmp_path):
-    from service.checks import check_resources
-    from service.coordinator import trials_that_fit
+    from service.orchestration.coordinator import trials_that_fit
+    from service.study.checks import check_resources
 
     study = tied_study(digits_dir, tmp_path, "exact-ties-2w", workers=2)
     check_resources(study, two_cpus.nodes())

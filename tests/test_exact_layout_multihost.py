@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from service import spec
+from service.study import spec
 from tests.test_exact_layout import run_within_timeout
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -21,7 +21,7 @@ def two_hosts_of_two_cpus():
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.coordinator import NAMESPACE
+    from service.orchestration.coordinator import NAMESPACE
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for _ in range(2):
@@ -53,8 +53,8 @@ def documented_example(digits_dir, storage) -> spec.Study:
 def test_the_documented_multihost_example_runs_on_exactly_its_cpus(
     two_hosts_of_two_cpus, digits_dir, tmp_path
 ):
-    from service.checks import check_resources
-    from service.coordinator import trials_that_fit
+    from service.orchestration.coordinator import trials_that_fit
+    from service.study.checks import check_resources
 
     ray = two_hosts_of_two_cpus
     study = documented_example(digits_dir, tmp_path)

@@ -13,10 +13,10 @@ import zlib
 import pytest
 import torch
 
-from service.errors import CheckpointError
-from service.topology import Topology
+from service.core.errors import CheckpointError
 from service.trainer import checkpoint
 from service.trainer.loop import train
+from service.trainer.topology import Topology
 from tests.conftest import same_nested
 from tests.test_trainer_loop import make_plan, read_log, without_timing
 
@@ -134,7 +134,8 @@ def test_a_torn_latest_checkpoint_on_object_storage_falls_back_to_the_newest_com
     Checkpoints 10 and 20 are whole, 30 lost its manifest and half its state.pt (a cut copy)."""
     import pyarrow.fs as pafs
 
-    from service import launch, storage
+    from service.core import storage
+    from service.orchestration import launch
 
     root = "memory://torn-fallback/trial"
     fs, _ = storage.split(root)

@@ -20,10 +20,10 @@ import pytest
 import torch
 import yaml
 
-from service import spec
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS
-from service.trial import TrialPlan
 from tests.conftest import end_session, same_nested, study_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -51,7 +51,7 @@ def study_raw(digits_dir, storage) -> dict:
 @pytest.fixture(scope="module")
 def baseline(ray_cluster, digits_dir, tmp_path_factory):
     """The same study, uninterrupted, on the session cluster."""
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
 
     study = spec.load_dict(study_raw(digits_dir, tmp_path_factory.mktemp("baseline")))
     t0 = time.time()
@@ -222,7 +222,7 @@ def alive_actor_pids(class_name: str) -> list[int]:
 def tune_run_killed(baseline, digits_dir, tmp_path_factory):
     """The study on the session cluster; its TuneRun process SIGKILLed at the moment the driver
     is killed above (the first two trials over, the last one mid-run with a checkpoint)."""
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
 
     study = spec.load_dict(study_raw(digits_dir, tmp_path_factory.mktemp("tunerun")))
     out: dict = {}
@@ -293,7 +293,7 @@ def test_a_killed_tune_run_is_started_again_and_ends_as_the_uninterrupted_run(tu
 def test_a_torn_latest_checkpoint_on_ray_storage_is_skipped(baseline, tmp_path):
     """Ray's latest registered checkpoint damaged on storage (its manifest gone, state.pt cut):
     the rerun of the Train run resumes from the newest committed one and ends the same."""
-    from service import launch
+    from service.orchestration import launch
 
     study = spec.load_dict(study_raw_for(baseline, tmp_path))
     plan = TrialPlan(study, TRIALS[0], "explore", {"learning_rate": 0.05, "momentum": 0.9, "width": 4}, STEPS)

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
+from service.planning.trial import TrialPlan
 from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS
-from service.trial import TrialPlan
 from tests.conftest import make_study
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -71,7 +71,7 @@ def final_state(result):
 
 
 def test_a_removed_host_is_replaced_and_the_trial_resumes(two_hosts, digits_dir, tmp_path):
-    from service import launch
+    from service.orchestration import launch
 
     cluster = two_hosts
     reference_plan = plan_in(digits_dir, tmp_path / "reference")

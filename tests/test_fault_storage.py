@@ -14,8 +14,8 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from service import storage
-from service.errors import StorageError
+from service.core import storage
+from service.core.errors import StorageError
 
 
 class FlakyMemoryFS(MemoryFileSystem):

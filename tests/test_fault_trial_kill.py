@@ -53,7 +53,7 @@ def complete_steps(study) -> list[int]:
 
 
 def test_killed_trial_process_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path):
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
 
     reference = study_in(digits_dir, tmp_path / "reference")
     (ref_row,) = run_study(reference)

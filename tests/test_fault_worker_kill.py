@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
+from service.planning.trial import TrialPlan
 from service.trainer import checkpoint
-from service.trial import TrialPlan
 from tests.conftest import make_study
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -59,7 +59,7 @@ def final_state(plan, result):
 
 
 def test_sigkilled_worker_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path):
-    from service import launch
+    from service.orchestration import launch
 
     reference_plan = plan_in(digits_dir, tmp_path / "reference")
     reference = launch.run_single(reference_plan)

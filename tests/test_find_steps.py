@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from service import spec
 from service.cli import main
-from service.errors import SpecError
-from service.find_steps import choose, first_fit_step, sweep_study
+from service.core.errors import SpecError
+from service.planning.find_steps import choose, first_fit_step, sweep_study
+from service.study import spec
 from service.workloads.digits import Digits
 from tests.conftest import digits_logits, study_dict
 

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service import spec
-from service.errors import SpecError
+from service.core.errors import SpecError
 from service.nn.ghost_batchnorm import (
     GhostBatchNorm1d,
     GhostBatchNorm2d,
@@ -18,6 +17,7 @@ from service.nn.ghost_batchnorm import (
     ghost_group,
     has_batchnorm,
 )
+from service.study import spec
 from service.workloads.digits import SmallConvNet
 from tests.conftest import MINIMAL_STUDY as MINIMAL
 

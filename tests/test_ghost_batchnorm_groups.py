@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from service import spec
 from service.nn.ghost_batchnorm import GhostBatchNorm1d, GhostBatchNorm2d, ghost_group
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer.loop import train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.conftest import study_dict
 from tests.test_ghost_batchnorm import _batch, ref_train

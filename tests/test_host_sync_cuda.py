@@ -10,14 +10,14 @@ import warnings
 import pytest
 import torch
 
-from service import spec
 from service.data.files import list_files
 from service.data.loader import TrainStream
 from service.data.prefetch import prefetch_stream
 from service.data.sharding import train_shard
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer.loop import train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.test_trainer_loop import HPARAMS, Reporter
 

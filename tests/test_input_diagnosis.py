@@ -11,15 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from service import spec, workloads
+from service import workloads
 from service.analysis.input_bound import InputTotals, input_bound, is_remote, trial_input_row
 from service.analysis.report_lines import round_verdicts
 from service.data.files import list_files
 from service.data.loader import unused_columns
 from service.data.sharding import RowRange
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer.loop import train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 
 try:
     import _input_workloads
@@ -232,7 +233,7 @@ def test_a_trial_ending_inside_the_profiled_steps_still_writes_its_trace(digits_
     ],
 )
 def test_bad_input_settings_name_the_field(digits_dir, tmp_path, section, message):
-    from service.errors import SpecError
+    from service.core.errors import SpecError
 
     with pytest.raises(SpecError) as e:
         plan_for(digits_dir, tmp_path, "digits", **section)

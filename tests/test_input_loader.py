@@ -18,11 +18,11 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
+from service.core.errors import DataError
 from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches, iterate_files
 from service.data.prefetch import Prefetcher, prefetch
 from service.data.sharding import RowRange
-from service.errors import DataError
 from service.workloads.digits import Digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -385,7 +385,7 @@ def test_on_gcs_the_unused_column_is_not_fetched(gcs_emulator, monkeypatch):
     them. Bytes are counted where gcsfs sends each GET (a spy around its own method)."""
     import gcsfs.core
 
-    from service import storage
+    from service.core import storage
 
     local = io.BytesIO()
     pq.write_table(digit_table(range(200), junk_bytes=10_000), local, row_group_size=50)

@@ -12,16 +12,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from service import spec
 from service.analysis.input_bound import InputTotals, likely_cause
+from service.core.errors import DataError
 from service.data.files import list_files
 from service.data.loader import TrainStream
 from service.data.process_input import process_source
 from service.data.sharding import RowRange
-from service.errors import DataError
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer.loop import TIMING_FIELDS, train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.test_input_loader import corrupt_column
 
@@ -131,7 +131,7 @@ def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
     """The same study on the Ray session cluster (the fast path trains inside a Tune trial, a
     Ray worker process whose main module is Ray's): worker processes start there too, and the
     trial logs what the in-process loop with the thread loader logs."""
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
     from tests.conftest import study_dict
 
     logs = {}

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from service import spec
+from service.study import spec
 from tests import _kuberay as kuberay
 from tests._gcs import emulator_env, list_objects, read_object
 from tests.conftest import free_ports, session_pids, study_dict

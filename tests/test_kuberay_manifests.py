@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service import spec
+from service.study import spec
 from tests._kuberay import configmap_mounts, find, manifest_docs, pod_templates
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import json
 import math
 import os
 
-from service import storage
+from service.core import storage
 from service.trainer.metrics_log import MetricsLog
 
 

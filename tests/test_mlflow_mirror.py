@@ -3,7 +3,7 @@ when the study starts (or later) gives warnings in the job log, never an error t
 
 from __future__ import annotations
 
-from service.mlflow_mirror import MlflowMirror
+from service.tracking.mlflow_mirror import MlflowMirror
 from tests.conftest import free_ports, make_study
 
 

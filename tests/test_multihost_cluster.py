@@ -11,7 +11,7 @@ import os
 import pytest
 
 from service.data.files import list_files
-from service.trial import TrialPlan
+from service.planning.trial import TrialPlan
 from tests.conftest import make_study, same_nested
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -47,7 +47,7 @@ def three_node_cluster(tmp_path_factory):
 def run_once(audit, digits_dir, storage) -> tuple[TrialPlan, dict, dict]:
     """The 3 hosts x 1 worker trial, with the same seed every time: (plan, topology.json, the
     URIs each process wrote)."""
-    from service import launch
+    from service.orchestration import launch
 
     study = make_study(
         digits_dir,
@@ -179,7 +179,7 @@ def test_only_rank_0_wrote_to_storage(two_runs):
 
 
 def test_two_hosts_of_two_workers_read_disjoint_host_shards(three_node_cluster, digits_dir, tmp_path):
-    from service import launch
+    from service.orchestration import launch
 
     study = make_study(
         digits_dir,
@@ -208,8 +208,8 @@ def test_two_hosts_of_two_workers_read_disjoint_host_shards(three_node_cluster, 
 
 
 def test_fewer_files_than_hosts_is_a_clear_error(digits_dir, tmp_path):
-    from service.checks import check_data
-    from service.errors import DataError
+    from service.core.errors import DataError
+    from service.study.checks import check_data
 
     study = make_study(
         digits_dir,

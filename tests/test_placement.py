@@ -3,7 +3,7 @@ decides them, never the node ids."""
 
 from __future__ import annotations
 
-from service.topology import placement
+from service.trainer.topology import placement
 
 
 def test_world_rank_0_is_on_host_0_whatever_its_node_id():

@@ -118,8 +118,8 @@ def test_a_study_on_preprocessed_data_records_its_provenance(tmp_path, digits_di
 
 def test_preprocess_missing_column_is_named(tmp_path):
     write_raw(tmp_path / "raw")
+    from service.core.errors import DataError
     from service.data.preprocess import preprocess
-    from service.errors import DataError
     from service.workloads.digits import Digits
 
     with pytest.raises(DataError, match=r"raw-0\.parquet: workload digits cannot preprocess it .*pixels"):
@@ -129,8 +129,8 @@ def test_preprocess_missing_column_is_named(tmp_path):
 def test_a_failure_half_way_leaves_no_shard_and_no_record(tmp_path):
     """Shards are streamed out while the input is read: a bad last file must not leave the
     shards written so far (nor a provenance record) behind."""
+    from service.core.errors import DataError
     from service.data.preprocess import preprocess
-    from service.errors import DataError
 
     write_raw(tmp_path / "raw", rows_per_file=3000)
     bad = pq.read_table(tmp_path / "raw" / "raw-2.parquet").drop_columns(["raw"])

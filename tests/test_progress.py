@@ -3,7 +3,7 @@ the reported rate, and the line's fields."""
 
 from __future__ import annotations
 
-from service.progress import ProgressLimiter, eta_s, format_duration, progress_line
+from service.tracking.progress import ProgressLimiter, eta_s, format_duration, progress_line
 
 
 class FakeClock:

@@ -18,8 +18,10 @@ import pytest
 import yaml
 
 import service
-from service import provenance, spec, storage, tracking
-from service.rounds import plan_round
+from service.core import storage
+from service.planning.rounds import plan_round
+from service.study import spec
+from service.tracking import provenance, trial_table
 from tests.conftest import end_session, make_study
 
 WORKLOAD_SOURCE = """from service.workloads.digits import Digits
@@ -234,7 +236,7 @@ def test_the_reproduction_command_run_again_trains_the_same_trials(tmp_path, mon
     end_session(proc)
     assert proc.returncode == 0, out[-3000:]
 
-    rows = tracking.read_rows(str(tmp_path / "again" / "repro"))
+    rows = trial_table.read_rows(str(tmp_path / "again" / "repro"))
     got = {
         r["trial_name"]: {k[3:]: v for k, v in r.items() if k.startswith("hp/") and v is not None}
         for r in rows

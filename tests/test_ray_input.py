@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from service import spec
 from service.data.files import list_files
 from service.data.loader import TrainStream
-from service.data.ray_input import ray_data_source
 from service.data.sharding import train_shard
+from service.orchestration.ray_input import ray_data_source
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer.loop import TIMING_FIELDS
-from service.trial import TrialPlan
 from service.workloads.digits import Digits
 
 pytestmark = pytest.mark.ray
@@ -37,7 +37,7 @@ def test_ray_data_batches_are_the_local_batches(ray_cluster, digits_dir):
 def test_a_ray_train_trial_through_ray_data_equals_the_local_one(ray_cluster, digits_dir, tmp_path):
     """Two Ray Train runs of one trial, the loader local to the worker vs Ray Data input workers
     injected by the launch edge: the same metrics log, bit for bit."""
-    from service import launch
+    from service.orchestration import launch
 
     logs, raw = {}, {}
     for workers in ("local", "ray_data"):

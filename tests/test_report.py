@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from service import cli, report, spec
+from service import cli, report
 from service.report import plots
+from service.study import spec
 from tests._chromium import check_page
 from tests.conftest import make_study
 

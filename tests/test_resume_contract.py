@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from service.topology import Topology
 from service.trainer import checkpoint
 from service.trainer.loop import train
+from service.trainer.topology import Topology
 from tests.test_trainer_loop import Interrupted, Reporter, make_plan, without_timing
 
 WORKLOAD = "tests.test_trainer_loop:DropoutDigits"  # dropout: training draws from the RNG

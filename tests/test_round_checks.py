@@ -11,18 +11,18 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from service import spec
 from service.analysis.eval_noise import eval_noise, rate_standard_error, standard_error
 from service.analysis.report_lines import round_verdicts
 from service.analysis.round_checks import budget_spent, verdicts_for_round
 from service.analysis.verdicts import study_verdicts
 from service.cli import main
-from service.errors import SpecError
+from service.core.errors import SpecError
 from service.evaluation import predictions
-from service.spec import HParam
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
+from service.study.spec import HParam
 from service.trainer.loop import train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 from tests._gloo import run_gloo
 
 LR = HParam(role="nuisance", type="float", min=1e-3, max=1.0, scale="log")

@@ -8,11 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from service import schedules, spec
-from service.errors import PlaybookError
-from service.rounds import plan_round, row_fields
-from service.schedules import extend, lr_factor
-from service.spec import Schedule
+from service.core.errors import PlaybookError
+from service.planning import schedules
+from service.planning.rounds import plan_round, row_fields
+from service.planning.schedules import extend, lr_factor
+from service.study import spec
+from service.study.spec import Schedule
 
 
 def linear_reference(step: int, total: int, warmup: int, decay: int) -> float:
@@ -168,8 +169,8 @@ def run_three_rounds(study: spec.Study, best_index: dict[str, int]) -> tuple[dic
     """Plan each round from the rows of the earlier ones as the coordinator does: each config's
     row recorded (`row_fields`) in a real trial table, read back from trials.parquet for the
     next round; `best_index` names the finished trial each round's best is (by its metric)."""
-    from service.tracking import TrialTable, read_rows
-    from service.trial import TrialPlan
+    from service.planning.trial import TrialPlan
+    from service.tracking.trial_table import TrialTable, read_rows
 
     table, plans = TrialTable(study.study_uri, study.training.metric, "min"), {}
     for rnd in study.rounds:
@@ -308,8 +309,8 @@ def test_find_steps_sweep_of_a_study_with_schedule_hyperparameters_plans_valid_s
     """The finder's sweep runs a constant schedule: a study's searched decay_steps and
     final_lr_fraction (fixed at their middle there) are not read by it, and its trials' recorded
     schedules stay valid constant ones; the searched warmup still warms each trial up."""
-    from service.find_steps import sweep_study
-    from service.trial import TrialPlan
+    from service.planning.find_steps import sweep_study
+    from service.planning.trial import TrialPlan
 
     raw = spec.to_dict(three_round_study(tmp_path, {"kind": "linear"}, THREE_ROUND_CASES["linear"][1]))
     raw["search"]["decay_steps"] = {"role": "nuisance", "type": "int", "min": 10, "max": 50}

@@ -9,10 +9,10 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from service import spec
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer.loop import train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 from tests._gloo import run_gloo
 
 SAMPLE, EVERY, FULL_EVERY, MAX_STEPS = 90, 10, 20, 40

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from service.schedules import lr_factor
-from service.spec import Schedule
+from service.planning.schedules import lr_factor
+from service.study.spec import Schedule
 
 
 def reference(kind: str, max_steps: int, warmup: int, decay_steps: int | None, final: float) -> np.ndarray:

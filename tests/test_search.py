@@ -8,8 +8,8 @@ import pytest
 from scipy import stats
 from scipy.stats import qmc
 
-from service.search import quasi_random_configs, scrambled_halton, to_value
-from service.spec import HParam
+from service.planning.search import quasi_random_configs, scrambled_halton, to_value
+from service.study.spec import HParam
 
 FIRST_PRIMES = [2, 3, 5, 7, 11, 13]
 

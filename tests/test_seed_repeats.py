@@ -7,12 +7,12 @@ from __future__ import annotations
 import html as html_lib
 import re
 
-from service import spec
 from service.analysis.report_lines import round_verdicts
 from service.cli import print_table
 from service.report.html import trial_table
 from service.report.load import StudyData
 from service.report.sentences import divergence_sentences
+from service.study import spec
 
 
 def study() -> spec.Study:

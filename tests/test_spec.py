@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service import spec
-from service.checks import check_workload
-from service.errors import SpecError
+from service.core.errors import SpecError
+from service.study import spec
+from service.study.checks import check_workload
 from tests.conftest import MINIMAL_STUDY as MINIMAL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -648,8 +648,8 @@ def test_repeated_key_is_rejected_with_its_line():
 
 
 def test_a_changed_study_under_an_existing_name_is_refused(tmp_path):
-    from service import storage
-    from service.checks import check_same_study
+    from service.core import storage
+    from service.study.checks import check_same_study
 
     study = dataclasses.replace(spec.load_file(DEMO), storage=str(tmp_path))
     check_same_study(study)  # nothing stored yet
@@ -662,8 +662,8 @@ def test_a_changed_study_under_an_existing_name_is_refused(tmp_path):
 
 
 def test_a_rerun_may_change_how_trials_run_but_not_what_they_compute(tmp_path):
-    from service import storage
-    from service.checks import check_same_study
+    from service.core import storage
+    from service.study.checks import check_same_study
 
     study = dataclasses.replace(spec.load_file(DEMO), storage=str(tmp_path))
     storage.write_bytes_atomic(storage.join(study.study_uri, "study.yaml"), spec.dump_yaml(study).encode())

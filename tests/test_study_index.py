@@ -16,12 +16,14 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from service import storage, study_index
+from service.core import storage
+from service.orchestration.study_metrics import StudyMetrics
+from service.tracking import study_index
 from tests.conftest import free_ports
 
 WRITER = """
 import sys, time
-from service import study_index
+from service.tracking import study_index
 root, prefix, n, start_file = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 import os
 while not os.path.exists(start_file):  # both writers start together
@@ -149,8 +151,8 @@ def test_two_real_studies_at_once_from_one_driver(ray_cluster, digits_dir, tmp_p
     and best metric of its own trial table."""
     import threading
 
-    from service import spec
-    from service.coordinator import run_study
+    from service.orchestration.coordinator import run_study
+    from service.study import spec
     from tests.conftest import study_dict
 
     root = tmp_path / "root"
@@ -209,7 +211,7 @@ def test_a_running_study_writes_its_own_row_each_time_and_compiles_the_root_coal
     """A study's trial-table changes each write its own index object (one PUT), but the root's
     table -- whose compile reads every study's object, O(studies in the root) -- is compiled at
     most every COMPILE_MIN_INTERVAL_S while it runs, and at once when it ends."""
-    from service import observe
+    from service.tracking import observe
     from tests.conftest import make_study
 
     root = tmp_path / "root"
@@ -219,7 +221,7 @@ def test_a_running_study_writes_its_own_row_each_time_and_compiles_the_root_coal
     audit = tmp_path / "audit"
     audit.mkdir()
     monkeypatch.setenv(storage.AUDIT_ENV, str(audit))
-    observers = observe.StudyObservers.for_study(study)
+    observers = observe.StudyObservers.for_study(study, StudyMetrics(study.name, study.training.mode))
     rows = []
     for i in range(30):
         rows.append({"trial_name": f"t{i}", "status": "FINISHED", "best_metric": 1.0 / (i + 1)})

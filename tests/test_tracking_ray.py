@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from service import provenance
+from service.tracking import provenance
 from tests.conftest import make_study
 
 pytestmark = pytest.mark.ray
@@ -41,7 +41,7 @@ def scrape(port: int, study: str) -> dict[str, float]:
 def tracked_study(ray_cluster, digits_dir, tmp_path_factory):
     """Run a 2-trial study through its coordinator, scraping the metrics endpoint while it
     runs and once more after it finished (before the actor goes)."""
-    from service.coordinator import NAMESPACE, Coordinator, actor_name
+    from service.orchestration.coordinator import NAMESPACE, Coordinator, actor_name
 
     root = tmp_path_factory.mktemp("tracking")
     mlruns = root / "mlruns"

@@ -17,12 +17,12 @@ import torch
 from sklearn.metrics import zero_one_loss
 from torch import nn
 
-from service import spec
-from service.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
 from service.trainer import checkpoint
 from service.trainer.checkpoint import TrialState
 from service.trainer.loop import train
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 from service.workloads.digits import Digits, SmallConvNet
 
 HPARAMS = {"learning_rate": 0.1, "momentum": 0.9, "width": 4}
@@ -367,7 +367,7 @@ def test_ghost_batch_norm_is_what_the_loop_trains_with(digits_dir, tmp_path, gho
     from service.data.files import list_files
     from service.data.loader import TrainStream
     from service.data.sharding import train_shard
-    from service.topology import data_seed, init_seed
+    from service.trainer.topology import data_seed, init_seed
 
     plan = make_plan(
         digits_dir,
@@ -435,8 +435,8 @@ def first_nonfinite_step(plan: TrialPlan) -> int:
     from service.data.files import list_files
     from service.data.loader import TrainStream
     from service.data.sharding import train_shard
-    from service.topology import data_seed, init_seed
     from service.trainer.loop import build_optimizer
+    from service.trainer.topology import data_seed, init_seed
 
     workload = Digits()
     torch.manual_seed(init_seed(plan.trial_seed))

@@ -9,9 +9,10 @@ import threading
 
 import pyarrow.parquet as pq
 
-from service import tracking
-from service.coalesce import Coalesced
-from service.trial_events import TrialEvents
+from service.orchestration.study_metrics import StudyMetrics
+from service.tracking import trial_table
+from service.tracking.coalesce import Coalesced
+from service.tracking.trial_events import TrialEvents
 
 
 class FakeTimer:
@@ -61,7 +62,7 @@ def test_recording_n_trials_rewrites_a_linear_number_of_rows(tmp_path, capsys):
         written.append(len(rows))
         fake.now += 20e-6 * len(rows)  # a write costs time in proportion to the rows
 
-    table = tracking.TrialTable(str(tmp_path / "study"), "validation/loss", "min", on_save, clock=fake)
+    table = trial_table.TrialTable(str(tmp_path / "study"), "validation/loss", "min", on_save, clock=fake)
     table.writes.Timer = fake.timer
     events = TrialEvents(table, None, "validation/loss")
     n = 2000
@@ -177,11 +178,11 @@ def held_beyond_rows(study, n: int) -> int:
     import io
     import tracemalloc
 
-    from service import observe
+    from service.tracking import observe
 
     tracemalloc.start()
-    observers = observe.StudyObservers.for_study(study)
-    table = tracking.TrialTable(study.study_uri, "validation/loss", "min", observers.rows_changed)
+    observers = observe.StudyObservers.for_study(study, StudyMetrics(study.name, study.training.mode))
+    table = trial_table.TrialTable(study.study_uri, "validation/loss", "min", observers.rows_changed)
     events = TrialEvents(table, observers, "validation/loss")
     with contextlib.redirect_stdout(io.StringIO()):
         for i in range(n):

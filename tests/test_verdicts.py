@@ -17,7 +17,7 @@ from service.analysis.verdicts import (
     ranked_results,
     study_verdicts,
 )
-from service.spec import HParam
+from service.study.spec import HParam
 
 LR_LOG = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="log")
 LR_LINEAR = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="linear")

@@ -20,18 +20,20 @@ import yaml
 from sklearn.datasets import load_digits
 
 import service
-from service import spec, storage, workloads
-from service.checks import check_data
+from service import workloads
+from service.core import storage
+from service.core.errors import DataError, SpecError
 from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches
 from service.data.sharding import row_ranges
-from service.errors import DataError, SpecError
 from service.evaluation import predictions as prediction_files
 from service.evaluation.offline import evaluate_checkpoint
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
-from service.topology import Topology
+from service.study import spec
+from service.study.checks import check_data
 from service.trainer import checkpoint
+from service.trainer.topology import Topology
 from tests.conftest import digits_logits, make_study
 
 

@@ -7,7 +7,7 @@ from service.analysis.input_bound import row_verdicts
 from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
 from service.analysis.verdicts import Verdict, fmt, ranked_results
-from service.spec import Study
+from service.study.spec import Study
 
 
 def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:

@@ -29,7 +29,7 @@ from service.analysis.verdicts import (
     ranked_results,
     study_verdicts,
 )
-from service.spec import Study
+from service.study.spec import Study
 
 RATE_METRICS = ("error", "accuracy")
 """Metric names (after `validation/`) taken to be means of 0/1 per-example values: without saved
@@ -93,8 +93,8 @@ def _saved_values(study: Study, row: Mapping[str, Any], metric_name: str):
     sample file was written -- or None when neither file (or column) was saved."""
     import pyarrow.parquet as pq
 
-    from service import storage
-    from service.trial import TrialPlan
+    from service.core import storage
+    from service.planning.trial import TrialPlan
 
     if row.get("best_step") is None:
         return None

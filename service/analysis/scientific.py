@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from service.analysis.verdicts import fmt, ranked_results
-from service.spec import HParam
+from service.study.spec import HParam
 
 
 def best_per_scientific(

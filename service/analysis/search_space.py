@@ -35,7 +35,7 @@ from service.analysis.verdicts import (
     range_position,
     ranked_results,
 )
-from service.spec import HParam
+from service.study.spec import HParam
 
 # ----------------------------------------------------------------------------- boundary
 

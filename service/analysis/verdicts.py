@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
-from service.spec import HParam
+from service.study.spec import HParam
 
 Severity = Literal["ok", "warning"]
 OK: Severity = "ok"

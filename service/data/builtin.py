@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from service import storage
+from service.core import storage
 
 SPLITS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 FILES_PER_SPLIT = {"train": 4, "validation": 2, "test": 2}

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from service import storage
-from service.errors import DataError, SpecError, StorageError
+from service.core import storage
+from service.core.errors import DataError, SpecError, StorageError
 
 KINDS = ("integer", "floating", "numeric", "boolean", "string", "binary")
 """The type kinds a workload's `column_types` names (and "list<KIND>")."""

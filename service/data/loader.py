@@ -32,9 +32,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from service.core.errors import DataError
 from service.data.files import DataFile, ParquetReader, list_files
 from service.data.sharding import RowRange
-from service.errors import DataError
 from service.workloads.base import Workload
 
 Batch = dict[str, torch.Tensor]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
-from service import storage
+from service.core import storage
 from service.data.files import DataFile
 
 EXACT_ROWS = 2_000_000

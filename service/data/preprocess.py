@@ -26,9 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from service import storage
+from service.core import storage
+from service.core.errors import DataError
+from service.core.git import git
 from service.data.files import list_files
-from service.errors import DataError
 from service.workloads.base import Workload
 
 PROVENANCE_FILE = "_provenance.json"
@@ -36,10 +37,8 @@ PROVENANCE_FILE = "_provenance.json"
 
 def code_version() -> str | None:
     """The git commit of the service's source tree (None outside a checkout)."""
-    from service.provenance import _git
-
     return (
-        _git(os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD") or b""
+        git(os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD") or b""
     ).decode().strip() or None
 
 

@@ -27,8 +27,8 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 
+from service.core.errors import DataError
 from service.data.loader import Batch, TrainStream, WindowReader, WindowTask, rebatch
-from service.errors import DataError
 
 _worker: tuple[TrainStream, WindowReader] | None = None
 """In a worker process: the rank's stream and the worker's reader."""

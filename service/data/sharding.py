@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.errors import DataError
 from service.data.files import DataFile
-from service.errors import DataError
 
 
 @dataclass(frozen=True)

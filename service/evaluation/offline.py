@@ -8,18 +8,20 @@ import posixpath
 
 import torch
 
-from service import spec, storage, workloads
+from service import workloads
+from service.core import storage
+from service.core.errors import DataError, StorageError
 from service.data.files import list_files
 from service.data.loader import eval_batches
 from service.data.sharding import row_ranges
-from service.errors import DataError, StorageError
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
 from service.nn.ghost_batchnorm import convert_to_ghost
-from service.topology import Topology
+from service.study import spec
 from service.trainer import checkpoint
 from service.trainer.rank0 import Rank0
+from service.trainer.topology import Topology
 
 
 def locate(checkpoint_uri: str) -> tuple[str, str]:

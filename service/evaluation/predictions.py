@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from service import storage
+from service.core import storage
 
 
 class PredictionLog:

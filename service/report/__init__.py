@@ -8,8 +8,8 @@ html.py       the page
 
 from __future__ import annotations
 
-from service import storage
 from service.analysis.verdicts import ranked_results
+from service.core import storage
 from service.report import html, plots
 from service.report.load import StudyData, load, study_uri_of
 from service.report.sentences import Sentence, all_sentences

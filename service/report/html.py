@@ -8,7 +8,7 @@ import time
 
 from service.report.load import StudyData
 from service.report.sentences import Sentence
-from service.tracking import cell
+from service.tracking.trial_table import cell
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em; color: #222; }

@@ -8,10 +8,12 @@ import json
 import os
 from dataclasses import dataclass
 
-from service import provenance, spec, storage, tracking
-from service.errors import StudyNotFound
-from service.spec import Study
-from service.trial import TrialPlan
+from service.core import storage
+from service.core.errors import StudyNotFound
+from service.planning.trial import TrialPlan
+from service.study import spec
+from service.study.spec import Study
+from service.tracking import provenance, trial_table
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class StudyData:
 def study_uri_of(target: str) -> str:
     """A study file (local YAML) or a study URI (the folder holding study.yaml) -> study URI."""
     if os.path.isfile(target):
-        from service.checks import resolve_paths
+        from service.study.checks import resolve_paths
 
         return resolve_paths(spec.load_file(target)).study_uri
     return storage.absolute(target).rstrip("/")
@@ -53,7 +55,7 @@ def load(study_uri: str) -> StudyData:
     if not storage.exists(study_file):
         raise StudyNotFound(f"{study_uri}: no stored study there (no study.yaml)")
     study = spec.load_text(storage.read_bytes(study_file).decode(), source=study_file)
-    rows = sorted(tracking.read_rows(study_uri), key=lambda r: r["trial_name"])
+    rows = sorted(trial_table.read_rows(study_uri), key=lambda r: r["trial_name"])
     histories = {}
     for row in rows:
         uri = TrialPlan(study, row["trial_name"], row.get("round") or "").metrics_uri

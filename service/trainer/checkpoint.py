@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.serialization import config as serialization_config
 
-from service.errors import CheckpointError
+from service.core.errors import CheckpointError
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"

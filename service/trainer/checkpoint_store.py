@@ -25,10 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from service import storage
+from service.core import storage
+from service.planning.trial import rank
 from service.trainer import checkpoint
 from service.trainer.checkpoint import TrialState
-from service.trial import rank
 
 PREFIX = "checkpoint_"
 PARTIAL = ".partial-"

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service import storage, workloads
+from service import workloads
+from service.core import storage
 from service.data import files
 from service.data.files import list_files
 from service.data.input_timer import InputTimer
@@ -29,13 +30,13 @@ from service.evaluation.run import evaluate
 from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample, sample_of
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
-from service.topology import Topology, data_seed, init_seed
+from service.planning.trial import TrialPlan, best_row, worst
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
 from service.trainer.metrics_log import MetricsLog
 from service.trainer.profiling import StepProfiler
 from service.trainer.rank0 import Rank0
-from service.trial import TrialPlan, best_row, worst
+from service.trainer.topology import Topology, data_seed, init_seed
 
 
 class Reporter(Protocol):
@@ -48,7 +49,7 @@ class Reporter(Protocol):
 
 BatchSource = Callable[[TrainStream, int], Iterator[Batch]]
 """(this rank's stream, first step) -> the batches of that step on. The default prefetches on a
-background thread; `service.data.ray_input` serves them from Ray Data input workers."""
+background thread; `service.orchestration.ray_input` serves them from Ray Data input workers."""
 
 
 def local_batches(depth: int, pin: bool = False) -> BatchSource:

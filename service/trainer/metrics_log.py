@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from service import storage
+from service.core import storage
 
 
 def finite_or_none(v):

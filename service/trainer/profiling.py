@@ -9,7 +9,7 @@ import tempfile
 
 from torch.profiler import ProfilerActivity, profile
 
-from service import storage
+from service.core import storage
 
 
 class StepProfiler:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service import storage
-from service.topology import Topology
+from service.core import storage
+from service.trainer.topology import Topology
 
 
 def params_sha256(model: nn.Module) -> str:

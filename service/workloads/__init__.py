@@ -12,7 +12,7 @@ import sys
 import pyarrow as pa
 import torch
 
-from service.errors import SpecError
+from service.core.errors import SpecError
 from service.workloads.base import Workload
 from service.workloads.digits import Digits, DigitsZero
 

@@ -1,4 +1,4 @@
-"""Strict YAML -> typed frozen dataclasses, the machinery under `service.spec`.
+"""Strict YAML -> typed frozen dataclasses, the machinery under `service.study.spec`.
 
 `load_yaml` safe-loads YAML, refuses repeated keys and reads `1e-3` as a number. `build` converts
 the parsed value to a type (dataclass, Union, Literal, tuple, dict, scalar), raising `SpecError`
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from service.errors import SpecError
+from service.core.errors import SpecError
 
 Scalar = str | int | float | bool
 

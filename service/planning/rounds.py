@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 
-from service import schedules
-from service.errors import PlaybookError
-from service.search import quasi_random_configs
-from service.spec import Round, Schedule, Study, schedule_from_dict
+from service.core.errors import PlaybookError
+from service.planning import schedules
+from service.planning.search import quasi_random_configs
+from service.study.spec import Round, Schedule, Study, schedule_from_dict
 
 
 def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:

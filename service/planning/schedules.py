@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from service.spec import SCHEDULE_HPARAMS, Schedule, schedule_from_dict
+from service.study.spec import SCHEDULE_HPARAMS, Schedule, schedule_from_dict
 
 ROW_PREFIX = "schedule/"
 """A trial row records its schedule as `schedule/<field>` columns."""

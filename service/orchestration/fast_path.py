@@ -17,11 +17,11 @@ import ray
 import ray.tune
 import torch
 
-from service.topology import Topology
+from service.planning.trial import TrialPlan
 from service.trainer import loop
 from service.trainer.checkpoint import TrialState
 from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
-from service.trial import TrialPlan
+from service.trainer.topology import Topology
 
 
 class TuneReporter:

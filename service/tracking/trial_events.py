@@ -1,14 +1,14 @@
 """The coordinator's side of Tune's trial events: the trial table's rows, progress lines in the
 job log, the study's Ray metrics and the MLflow mirror. Tune runs in another process
-(`service.tune_run`), whose callback sends each event here, one at a time and in order."""
+(`service.orchestration.tune_run`), whose callback sends each event here, one at a time and in order."""
 
 from __future__ import annotations
 
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
-from service.observe import StudyObservers
-from service.progress import ProgressLimiter, fmt, progress_line
-from service.tracking import TrialTable
+from service.tracking.observe import StudyObservers
+from service.tracking.progress import ProgressLimiter, fmt, progress_line
+from service.tracking.trial_table import TrialTable
 
 # A trial whose row has one of these is over; a rerun of the study does not start it again.
 DONE = ("FINISHED", "DIVERGED")

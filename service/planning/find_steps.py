@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service import workloads
-from service.errors import SpecError
-from service.spec import OPTIMIZER_HPARAMS, HParam, Round, Schedule, Study
+from service.core.errors import SpecError
+from service.study.spec import OPTIMIZER_HPARAMS, HParam, Round, Schedule, Study
 
 FIT_METRIC = "train_eval/loss"
 

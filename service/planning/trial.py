@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import schedules, storage
-from service.spec import Schedule, Study, schedule_from_dict
+from service.core import storage
+from service.planning import schedules
+from service.study.spec import Schedule, Study, schedule_from_dict
 
 
 @dataclass(frozen=True)

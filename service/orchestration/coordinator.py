@@ -10,15 +10,20 @@ import time
 
 import ray
 
-from service import observe, spec, storage
 from service.analysis.report_lines import log_lines, round_verdicts
-from service.errors import PlaybookError
-from service.progress import ProgressLimiter
-from service.rounds import plan_round, row_fields
-from service.spec import Round, Study
-from service.tracking import TrialTable
-from service.trial_events import DONE, TrialEvents
-from service.tune_run import TuneRun, trial_footprint
+from service.core import storage
+from service.core.errors import PlaybookError
+from service.orchestration.ray_private import remove_placement_groups_of
+from service.orchestration.study_metrics import StudyMetrics
+from service.orchestration.tune_run import TuneRun
+from service.planning.rounds import plan_round, row_fields
+from service.study import spec
+from service.study.checks import trial_footprint
+from service.study.spec import Round, Study
+from service.tracking import observe
+from service.tracking.progress import ProgressLimiter
+from service.tracking.trial_events import DONE, TrialEvents
+from service.tracking.trial_table import TrialTable
 
 NAMESPACE = "playbook"
 # A round runs as Tune runs of at most max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS x its
@@ -48,30 +53,14 @@ def return_large_frees_to_the_os() -> None:
         pass
 
 
-def remove_placement_groups_of(actor_id: bytes) -> int:
-    """Remove the placement groups that an actor created and that are still there. In Ray 2.60
-    a placement group made by a non-detached actor lasts until its creator actor *and* its job
-    are dead, so the trials' groups of a TuneRun that died would hold their CPUs for the rest
-    of the job (and starve the run started in its place)."""
-    from ray._private.state import state
-    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    removed = 0
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = PlacementGroupTableData.FromString(raw)
-        if pg.creator_actor_id == actor_id and pg.state != PlacementGroupTableData.REMOVED:
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-            removed += 1
-    return removed
-
-
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Coordinator:
     def __init__(self, study: Study):
         return_large_frees_to_the_os()  # this process lasts the whole study
         self.study = study
-        self.observers = observe.StudyObservers.for_study(study)
+        self.observers = observe.StudyObservers.for_study(
+            study, StudyMetrics(study.name, study.training.mode)
+        )
         self.table = TrialTable(
             study.study_uri, study.training.metric, study.training.mode, on_save=self.observers.rows_changed
         )
@@ -188,11 +177,11 @@ class Coordinator:
                         f"{len(configs)} trials not done again, from their checkpoints",
                         flush=True,
                     )
-                    remove_placement_groups_of(runner._actor_id.binary())
+                    remove_placement_groups_of(runner)
                     runner = TuneRun.remote()
         finally:
             ray.kill(runner)
-            remove_placement_groups_of(runner._actor_id.binary())
+            remove_placement_groups_of(runner)
 
     def _not_done(self, configs: list[dict]) -> list[dict]:
         """The trial configs whose rows are not over (finished or diverged) in the table."""
@@ -219,7 +208,7 @@ class Coordinator:
 
 def trials_that_fit(study: Study, resources: dict) -> int:
     """How many of the study's trials the cluster's `resources` (`ray.cluster_resources()`) hold
-    at once, each counted with all it holds (`tune_run.trial_footprint`); at least 1."""
+    at once, each counted with all it holds (`checks.trial_footprint`); at least 1."""
     need = trial_footprint(study)
     # A hair over the quotient: 0.9 CPU / 0.3 is 2.9999999999999996 in floating point.
     fits = [math.floor(resources.get(name, 0) / amount + 1e-9) for name, amount in need.items() if amount]

@@ -11,10 +11,11 @@ import uuid
 
 import pyarrow.parquet as pq
 
-from service import storage, workloads
+from service import workloads
+from service.core import storage
+from service.core.errors import DataError, SpecError, StorageError
 from service.data.files import check_column_types, check_declared_kinds, list_files
-from service.errors import DataError, SpecError, StorageError
-from service.spec import OPTIMIZER_HPARAMS, Study
+from service.study.spec import OPTIMIZER_HPARAMS, Study
 
 
 def resolve_paths(study: Study, storage_override: str | None = None) -> Study:
@@ -147,8 +148,18 @@ def autoscaler_nodes(cluster_config, study: Study) -> list[dict]:
     return nodes
 
 
+def trial_footprint(study: Study) -> dict[str, float]:
+    """The CPUs and GPUs one running trial holds, all told: its workers' (the fast path's one
+    worker is its Tune trial's process; a Ray Train trial's driver holds neither) and, with
+    `input.workers: ray_data`, every worker's input actors. The pre-flight check
+    (`check_resources`) and a round's concurrency count this."""
+    s, inp = study.scaling, study.input
+    input_cpus = inp.num_input_workers * inp.cpus_per_input_worker if inp.workers == "ray_data" else 0
+    return {"CPU": s.world_size * (s.cpus_per_worker + input_cpus), "GPU": s.world_size if s.use_gpu else 0}
+
+
 def check_resources(study: Study, nodes: list[dict]) -> None:
-    """The cluster can place one trial with all it holds (`tune_run.trial_footprint`: its
+    """The cluster can place one trial with all it holds (`trial_footprint`: its
     workers, their Ray Data input workers; its own Tune process holds no CPU or GPU): `nodes` in
     `ray.nodes()` form (those alive now, or those an autoscaler can start, see
     `autoscaler_nodes`); refused before any trial starts, naming the field that asks too much."""
@@ -170,7 +181,6 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
             f"{s.cpus_per_worker:g} CPUs = {s.world_size * s.cpus_per_worker:g} CPUs, but the "
             f"Ray cluster has {total:g}"
         )
-    from service.tune_run import trial_footprint  # Ray Tune: imported once connected to Ray
 
     need = trial_footprint(study)["CPU"]  # the workers' and their input actors' CPUs
     if need > total + 1e-9:
@@ -272,7 +282,7 @@ def check_same_study(study: Study) -> None:
     stored_uri = storage.join(study.study_uri, "study.yaml")
     if not storage.exists(stored_uri):
         return
-    from service import spec
+    from service.study import spec
 
     try:
         text = storage.read_bytes(stored_uri).decode()

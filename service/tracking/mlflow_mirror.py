@@ -16,9 +16,10 @@ import math
 import os
 import threading
 
-from service import provenance, storage
-from service.errors import SpecError
-from service.spec import Study
+from service.core import storage
+from service.core.errors import SpecError
+from service.study.spec import Study
+from service.tracking import provenance
 
 # MLflow 3 refuses its file store (file:// URIs, plain paths) unless this is set; the file
 # store is what a team without an MLflow server can use on shared storage.

@@ -1,6 +1,6 @@
 """The study's trial table: one row per trial, kept current while the study runs and written
 to `<study>/trials.parquet` and `<study>/trials.csv` when a trial changes state (coalesced, see
-`service.coalesce`: a rewrite costs O(rows), so one per event would cost O(trials^2) a study)."""
+`service.tracking.coalesce`: a rewrite costs O(rows), so one per event would cost O(trials^2) a study)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from service import storage
-from service.coalesce import Coalesced
+from service.core import storage
+from service.tracking.coalesce import Coalesced
 
 STATUSES = ("PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED")
 COLUMNS = (

@@ -18,47 +18,22 @@ import ray.tune
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
-# Ray Train's failure policy (internal in Ray 2.60, pinned): the one hook that decides whether a
-# worker group's failure is retried.
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-
-from service import fast_path, storage
 from service.analysis.input_bound import trial_input_row
-from service.errors import CheckpointError, DataError
-from service.spec import Study
-from service.topology import Topology, placement
+from service.core import storage
+from service.core.errors import CheckpointError, DataError
+from service.orchestration import fast_path
+from service.orchestration.ray_private import data_error_of, trainer_class
+from service.orchestration.tune_run import ERROR_FILE, is_fast_path
+from service.planning.trial import TrialPlan, best_row, worst
+from service.study.spec import Study
 from service.trainer import checkpoint, loop
 from service.trainer.checkpoint import TrialState
-from service.trial import TrialPlan, best_row, worst
-from service.tune_run import ERROR_FILE, is_fast_path
+from service.trainer.topology import Topology, placement
 
 MAX_WORKER_GROUP_RESTARTS = 2
 NOT_THE_USERS_PROBLEM = ("`broadcast_buffers` is deprecated",)
 """Starts of Python warnings a Train worker sends to Ray Train's log file instead of the job
 log: torch's notice about the DDP argument the loop passes on purpose (see `trainer.loop`)."""
-
-
-def data_error_of(error: BaseException) -> DataError | None:
-    """The DataError behind a trial's failure: raised in this process (the fast path), or by a
-    Ray Train worker (wrapped in a WorkerGroupError, each worker's error with its traceback)."""
-    if isinstance(error, DataError):
-        return error
-    for failure in getattr(error, "worker_failures", {}).values():
-        cause = getattr(failure, "_base_exc", failure)
-        if isinstance(cause, DataError):
-            return cause
-    return None
-
-
-class DataErrorsAreFinal(DefaultFailurePolicy):
-    """Ray Train's default policy (a worker group failure is retried up to
-    FailureConfig.max_failures times), except that a data error fails the run at once: the same
-    data gives the same error on every try."""
-
-    def make_decision(self, training_failed_error) -> FailureDecision:
-        if data_error_of(training_failed_error) is not None:
-            return FailureDecision.RAISE
-        return super().make_decision(training_failed_error)
 
 
 class RayTrainReporter:
@@ -198,7 +173,7 @@ def batch_source(study: Study) -> loop.BatchSource | None:
         return process_source(inp.num_input_workers)
     if inp.workers != "ray_data":
         return None
-    from service.data.ray_input import ray_data_source
+    from service.orchestration.ray_input import ray_data_source
 
     return ray_data_source(inp.num_input_workers, inp.cpus_per_input_worker, inp.prefetch_batches)
 
@@ -222,19 +197,6 @@ def scaling_config(scaling) -> ScalingConfig:
         resources_per_worker={"CPU": scaling.cpus_per_worker, **gpu},
         placement_strategy=placement_strategy(scaling),
     )
-
-
-def trainer_class():
-    """TorchTrainer whose runs fail at once on a data error (`DataErrorsAreFinal`). Made here:
-    ray.train.torch costs seconds of imports that fast-path trials skip."""
-    from ray.train.torch import TorchTrainer
-
-    class Trainer(TorchTrainer):
-        def _initialize_and_run_controller(self, **kwargs):
-            kwargs["failure_policy"] = DataErrorsAreFinal(self.run_config.failure_config)
-            return super()._initialize_and_run_controller(**kwargs)
-
-    return Trainer
 
 
 def trainer_for(plan: TrialPlan, in_tune: bool):

@@ -1,6 +1,6 @@
 """Study-file sections that belong to one practice each: the input pipeline (`input:`), the
 max_train_steps finder (`find_steps:`), tracking (`tracking:`) and the training budget
-(`budget:`). `service.spec` assembles
+(`budget:`). `service.study.spec` assembles
 them into the Study; the strict loader treats them like every other section."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from service.strict import non_negative, positive
+from service.study.strict import non_negative, positive
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import service
-from service import storage
+from service.core import storage
+from service.core.git import git
 
 DIFF_FILE = "uncommitted.diff"
 RECORD_FILE = "provenance.json"
@@ -59,14 +59,6 @@ SECRET_PATTERNS = (
 """File names (matched case-insensitively) never copied into a study's diff."""
 
 
-def _git(cwd: str, *args: str, env: dict | None = None) -> bytes | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=30, env=env)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
 def _text(out: bytes | None) -> str | None:
     return (out or b"").decode().strip() or None
 
@@ -75,8 +67,8 @@ def repository(path: str) -> str | None:
     """The top folder of the git working tree that holds `path` (a file or folder), or None
     when it is in none, or only in an ignored part of one (a virtualenv inside a project)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
-    top = _text(_git(folder, "rev-parse", "--show-toplevel"))
-    if top is None or _git(folder, "check-ignore", "-q", path) is not None:
+    top = _text(git(folder, "rev-parse", "--show-toplevel"))
+    if top is None or git(folder, "check-ignore", "-q", path) is not None:
         return None
     return top
 
@@ -92,16 +84,16 @@ def uncommitted_diff(top: str, cap: int = DIFF_CAP_BYTES) -> tuple[bytes, list[d
     clean tree), and the files left out, each with its reason. New files are listed in a
     throwaway copy of the index (intent-to-add: their contents are not copied into git), so the
     user's own index and object store are left as they were."""
-    git_dir = _text(_git(top, "rev-parse", "--absolute-git-dir")) or ""
+    git_dir = _text(git(top, "rev-parse", "--absolute-git-dir")) or ""
     with tempfile.TemporaryDirectory(prefix="playbook-git-") as tmp:
         index = os.path.join(tmp, "index")
         if os.path.exists(os.path.join(git_dir, "index")):
             shutil.copyfile(os.path.join(git_dir, "index"), index)
         env = {**os.environ, "GIT_INDEX_FILE": index}
-        if _git(top, "add", "--intent-to-add", "--all", ".", env=env) is None:
+        if git(top, "add", "--intent-to-add", "--all", ".", env=env) is None:
             env = None  # the tracked files' changes, at least
         diff = ("--literal-pathspecs", "diff", "HEAD", "--no-renames", "--no-color", "--no-ext-diff")
-        stat = _git(top, *diff, "--numstat", "-z", env=env) or b""
+        stat = git(top, *diff, "--numstat", "-z", env=env) or b""
         changed = [entry.split(b"\t", 2) for entry in stat.split(b"\0") if entry]
         left_out, kept = [], []
         for added, _, path in changed:
@@ -111,7 +103,7 @@ def uncommitted_diff(top: str, cap: int = DIFF_CAP_BYTES) -> tuple[bytes, list[d
                 left_out.append({"path": path, "reason": reason})
             else:
                 kept.append(path)
-        patch = _git(top, *diff, "--", *kept, env=env) if kept else b""
+        patch = git(top, *diff, "--", *kept, env=env) if kept else b""
     return _capped(patch or b"", kept, cap, left_out)
 
 
@@ -134,7 +126,7 @@ def repository_state(path: str | None, cap: int = DIFF_CAP_BYTES) -> dict:
     """The git state of the working tree holding `path`: its top folder, commit, and the
     uncommitted text changes (see `uncommitted_diff`)."""
     top = repository(path) if path else None
-    commit = _text(_git(top, "rev-parse", "HEAD")) if top else None
+    commit = _text(git(top, "rev-parse", "HEAD")) if top else None
     diff, left_out = uncommitted_diff(top, cap) if commit else (b"", [])
     return {"repository": top, "commit": commit, "diff": diff, "left_out": left_out}
 
@@ -147,8 +139,8 @@ def service_version() -> dict:
         version = service.__version__
     package = os.path.dirname(os.path.abspath(service.__file__))
     top = repository(package)
-    commit = _text(_git(top, "rev-parse", "HEAD")) if top else None
-    dirty = bool(_git(top, "status", "--porcelain", "--", package)) if commit else None
+    commit = _text(git(top, "rev-parse", "HEAD")) if top else None
+    dirty = bool(git(top, "status", "--porcelain", "--", package)) if commit else None
     return {"version": version, "git_commit": commit, "git_dirty": dirty}
 
 

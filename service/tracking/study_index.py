@@ -25,7 +25,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from service import storage
+from service.core import storage
 
 INDEX_DIR = "_index"
 COLUMNS = (

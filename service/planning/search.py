@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.spec import HParam, Scalar
+from service.study.spec import HParam, Scalar
 
 PRIMES = (
     2,

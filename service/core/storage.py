@@ -20,7 +20,7 @@ import fsspec
 import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
 
-from service.errors import StorageError
+from service.core.errors import StorageError
 
 
 def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:

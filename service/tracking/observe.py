@@ -5,22 +5,28 @@ builds one `StudyObservers`; its `TrialEvents` feed it Tune's trial events."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from service import provenance, study_index
-from service.coalesce import Coalesced
-from service.progress import ProgressLimiter
-from service.spec import Study
-from service.study_metrics import StudyMetrics
+from service.study.spec import Study
+from service.tracking import provenance, study_index
+from service.tracking.coalesce import Coalesced
+from service.tracking.progress import ProgressLimiter
 
 # A running study recompiles its storage root's study table at most this often (and when it
 # ends): a compile reads every study's index object, so it costs O(studies in the root).
 COMPILE_MIN_INTERVAL_S = 10.0
 
 
+class RowsObserver(Protocol):
+    """What counts a study's rows as they change (the Ray metrics, `orchestration.study_metrics`)."""
+
+    def on_rows(self, rows: list[dict]) -> None: ...
+
+
 @dataclass
 class StudyObservers:
     study: Study
-    metrics: StudyMetrics
+    metrics: RowsObserver
     limiter: ProgressLimiter = field(default_factory=ProgressLimiter)
     mirror: object | None = None
     """An `mlflow_mirror.MlflowMirror` when `tracking.mlflow_uri` is set."""
@@ -28,16 +34,18 @@ class StudyObservers:
     """The study's provenance record (written by `playbook run` before the study starts)."""
 
     @classmethod
-    def for_study(cls, study: Study) -> StudyObservers:
+    def for_study(cls, study: Study, metrics: RowsObserver) -> StudyObservers:
         mirror = None
         uri = getattr(getattr(study, "tracking", None), "mlflow_uri", None)
         if uri:
-            from service.mlflow_mirror import MlflowMirror  # mlflow is imported only when used
+            from service.tracking.mlflow_mirror import (
+                MlflowMirror,  # mlflow is imported only when used
+            )
 
             mirror = MlflowMirror(uri, study)
         return cls(
             study,
-            StudyMetrics(study.name, study.training.mode),
+            metrics,
             mirror=mirror,
             provenance=provenance.read(study.study_uri),
         )

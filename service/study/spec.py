@@ -16,12 +16,12 @@ from typing import Literal
 
 import yaml
 
-from service import storage
-from service.errors import SpecError
-from service.spec_sections import Budget, FindSteps, InputPipeline, Tracking
-from service.strict import Scalar, build, load_yaml
-from service.strict import non_negative as _non_negative
-from service.strict import positive as _positive
+from service.core import storage
+from service.core.errors import SpecError
+from service.study.sections import Budget, FindSteps, InputPipeline, Tracking
+from service.study.strict import Scalar, build, load_yaml
+from service.study.strict import non_negative as _non_negative
+from service.study.strict import positive as _positive
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # Schedule fields a hyperparameter may set for its trial (searched or fixed in `search`), and

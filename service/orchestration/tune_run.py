@@ -15,8 +15,8 @@ import ray
 from ray import tune
 from ray.tune.logger import JsonLoggerCallback
 
-from service import storage
-from service.spec import Study
+from service.core import storage
+from service.study.spec import Study
 
 # A Ray Train trial's Tune trial only drives its worker group, whose workers reserve the CPUs
 # and GPUs. Tune needs every trial to reserve something, so it reserves a token of memory and
@@ -75,7 +75,7 @@ class ProgressCallback(tune.Callback):
 
 
 def is_fast_path(scaling) -> bool:
-    """Trials of one worker skip Ray Train and train in their Tune trial (`service.fast_path`);
+    """Trials of one worker skip Ray Train and train in their Tune trial (`service.orchestration.fast_path`);
     several workers (or hosts) need its worker group."""
     return scaling.world_size == 1
 
@@ -88,20 +88,10 @@ def trial_resources(scaling) -> dict:
     return {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY}
 
 
-def trial_footprint(study: Study) -> dict[str, float]:
-    """The CPUs and GPUs one running trial holds, all told: its workers' (the fast path's one
-    worker is its Tune trial's process; a Ray Train trial's driver holds neither) and, with
-    `input.workers: ray_data`, every worker's input actors. The pre-flight check
-    (`checks.check_resources`) and a round's concurrency count this."""
-    s, inp = study.scaling, study.input
-    input_cpus = inp.num_input_workers * inp.cpus_per_input_worker if inp.workers == "ray_data" else 0
-    return {"CPU": s.world_size * (s.cpus_per_worker + input_cpus), "GPU": s.world_size if s.use_gpu else 0}
-
-
 def tune_trial(config: dict, study: Study) -> None:
     """The Tune trial function. The trainer (torch, the workload) is imported in the trial's
     process only: a TuneRun process starts without it (~2 s of imports fewer per Tune run)."""
-    from service import launch
+    from service.orchestration import launch
 
     launch.tune_trial(config, study)
 

@@ -1,0 +1,69 @@
+"""Every use of Ray's private APIs, in one place, pinned to the Ray version in pyproject.toml.
+Each is here because no public API does the job; a Ray upgrade is checked against this module
+(and its tests: test_data_errors, test_fault_driver_kill, test_cluster_capacity)."""
+
+from __future__ import annotations
+
+import ray
+from ray._private.state import state
+from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from service.core.errors import DataError
+
+
+def cluster_config() -> dict | None:
+    """The autoscaler's cluster config (its node types and their maximum counts), None on a
+    fixed cluster."""
+    return state.get_cluster_config()
+
+
+def data_error_of(error: BaseException) -> DataError | None:
+    """The DataError behind a trial's failure: raised in this process (the fast path), or by a
+    Ray Train worker (wrapped in a WorkerGroupError, each worker's error with its traceback)."""
+    if isinstance(error, DataError):
+        return error
+    for failure in getattr(error, "worker_failures", {}).values():
+        cause = getattr(failure, "_base_exc", failure)
+        if isinstance(cause, DataError):
+            return cause
+    return None
+
+
+def trainer_class():
+    """A TorchTrainer whose runs fail at once on a data error: Ray Train's default failure
+    policy (a worker group failure is retried up to FailureConfig.max_failures times), except
+    that the same data gives the same error on every try. The policy is set through
+    `_initialize_and_run_controller` and Ray Train's internal `DefaultFailurePolicy`, the one
+    hook that decides whether a failure is retried. Made on call: ray.train.torch costs seconds
+    of imports that fast-path trials and the coordinator skip."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+    class DataErrorsAreFinal(DefaultFailurePolicy):
+        def make_decision(self, training_failed_error) -> FailureDecision:
+            if data_error_of(training_failed_error) is not None:
+                return FailureDecision.RAISE
+            return super().make_decision(training_failed_error)
+
+    class Trainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **kwargs):
+            kwargs["failure_policy"] = DataErrorsAreFinal(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**kwargs)
+
+    return Trainer
+
+
+def remove_placement_groups_of(actor) -> int:
+    """Remove the placement groups that an actor (its handle) created and that are still there. In Ray 2.60
+    a placement group made by a non-detached actor lasts until its creator actor *and* its job
+    are dead, so the trials' groups of a TuneRun that died would hold their CPUs for the rest
+    of the job (and starve the run started in its place)."""
+    actor_id = actor._actor_id.binary()
+    removed = 0
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = PlacementGroupTableData.FromString(raw)
+        if pg.creator_actor_id == actor_id and pg.state != PlacementGroupTableData.REMOVED:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            removed += 1
+    return removed
