@@ -38,7 +38,7 @@ chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 # Benchmarks against hand-written baselines, as ratios measured in the same run:
-# bench/results.json, bench/results.md and the README's performance table.
+# bench/results.json and the generated performance table in docs/performance.md.
 bench: setup
 	$(PY) -m bench.run
 

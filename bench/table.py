@@ -1,5 +1,6 @@
-"""bench/results.json -> bench/results.md and the README's performance table (between the
-`<!-- bench:begin -->` and `<!-- bench:end -->` markers)."""
+"""bench/results.json -> the performance table in docs/performance.md (between the
+`<!-- bench:begin -->` and `<!-- bench:end -->` markers), the one place the figures are shown:
+`python -m bench.table` rewrites it from results.json alone; `make bench` does after measuring."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from bench.common import GOALS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-README = os.path.join(os.path.dirname(HERE), "README.md")
+DOC = os.path.join(os.path.dirname(HERE), "docs", "performance.md")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 BASELINES = {
     "step_ratio": ("service_steps_per_s", "bare_steps_per_s", "steps/s"),
@@ -91,15 +92,12 @@ def scale_lines(raw: dict) -> list[str]:
 def main() -> None:
     with open(os.path.join(HERE, "results.json")) as f:
         text = markdown(json.load(f))
-    with open(os.path.join(HERE, "results.md"), "w") as f:
-        f.write("# Benchmarks (generated from results.json by bench/table.py)\n\n" + text)
-    with open(README) as f:
-        readme = f.read()
-    if BEGIN in readme and END in readme:
-        head, rest = readme.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        with open(README, "w") as f:
-            f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+    with open(DOC) as f:
+        doc = f.read()
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(DOC, "w") as f:
+        f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
 
 
 def cluster_lines(raw: dict) -> list[str]:

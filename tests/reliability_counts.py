@@ -1,12 +1,16 @@
-"""Counts for the README's reliability summary, taken from the test files by pytest's own
-collection: `python -m tests.reliability_counts` prints the summary lines; with `--readme` it
-rewrites them in README.md (the code block after "Counted from the test files")."""
+"""Counts for the reliability summary in docs/reliability.md, taken from the test files by
+pytest's own collection: `python -m tests.reliability_counts` prints the summary lines; with
+`--write` it rewrites them in docs/reliability.md (the generated block between the markers)."""
 
 from __future__ import annotations
 
 import collections
+import os
 import subprocess
 import sys
+
+DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "reliability.md")
+BEGIN, END = "<!-- reliability-counts:begin -->", "<!-- reliability-counts:end -->"
 
 FAULT_TESTS = {
     "training worker SIGKILLed mid-run": "tests/test_fault_worker_kill.py",
@@ -78,17 +82,23 @@ def summary_lines(c: dict[str, int]) -> list[str]:
     return lines
 
 
-def rewrite_readme(path: str, lines: list[str]) -> None:
+def generated_block(text: str) -> str:
+    """The summary lines of the doc's generated block (between the markers, inside its code fence)."""
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    return block.strip().removeprefix("```").removesuffix("```").strip("\n")
+
+
+def rewrite_doc(path: str, lines: list[str]) -> None:
     with open(path) as f:
         text = f.read()
-    head, rest = text.split("Counted from the test files", 1)
-    intro, _, tail = rest.split("```", 2)
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
     with open(path, "w") as f:
-        f.write(head + "Counted from the test files" + intro + "```\n" + "\n".join(lines) + "\n```" + tail)
+        f.write(head + BEGIN + "\n```\n" + "\n".join(lines) + "\n```\n" + END + tail)
 
 
 if __name__ == "__main__":
     summary = summary_lines(counts())
-    if "--readme" in sys.argv:
-        rewrite_readme("README.md", summary)
+    if "--write" in sys.argv:
+        rewrite_doc(DOC, summary)
     print("\n".join(summary))
