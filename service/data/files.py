@@ -164,9 +164,9 @@ class ParquetReader:
     def _open(self, uri: str, footer: pq.FileMetaData | None) -> Iterator[pq.ParquetFile]:
         fs, path = storage.split(uri)
         try:
-            # Local files through pyarrow's own file (a window decoded ~25% faster here than
-            # through a Python file object); any other storage through fsspec, read on the
-            # calling thread (see `read_row_group`).
+            # Local files through pyarrow's own file (a window decodes faster than through a
+            # Python file object, docs/performance.md); any other storage through fsspec, read
+            # on the calling thread (see `read_row_group`).
             source = path if is_local(uri) else fs.open(path, "rb")
             pf = pq.ParquetFile(source, metadata=footer, pre_buffer=is_local(uri))
         except (OSError, pa.ArrowException) as e:

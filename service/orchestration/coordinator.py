@@ -27,10 +27,9 @@ from service.tracking.trial_table import TrialTable
 
 NAMESPACE = "playbook"
 # A round runs as Tune runs of at most max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS x its
-# concurrency) trials (unless the round says `trials_per_tune_run`): Tune holds ~185 KB per
-# trial in its TuneRun process until the run ends (bench/tune_memory.py), and each run costs
-# 2-8 s to start and end plus its tail, where slots idle while the last trials finish
-# (~1/(2 x 32) of its slot time).
+# concurrency) trials (unless the round says `trials_per_tune_run`): Tune holds each trial's
+# state in its TuneRun process until the run ends (bench/tune_memory.py), and each run costs a
+# start, an end and a tail, where slots idle while the last trials finish (docs/performance.md).
 MIN_TRIALS_PER_TUNE_RUN = 512
 TUNE_RUN_SLOT_TRIALS = 32
 # A Tune run whose TuneRun process died is started again (for its trials not done) this often.
@@ -45,8 +44,8 @@ def return_large_frees_to_the_os() -> None:
     """Fix glibc's mmap threshold at its default 128 KB. glibc raises it (up to 32 MB) each
     time a large block is freed; after that, large transient buffers (the trial table's
     rewrites grow with the study, Ray's 1 MB serialization buffers) come from the heap and
-    stay resident once freed. In a 3,000-trial study that made the coordinator grow ~28 KB
-    per trial; with the threshold fixed, ~10 KB (docs/scale.md). Not glibc: nothing to do."""
+    stay resident once freed, so the coordinator grew with every trial; fixing the threshold
+    cut that growth (docs/performance.md, docs/scale.md). Not glibc: nothing to do."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
@@ -151,7 +150,7 @@ class Coordinator:
         events come back through `trial_event`: the trial table holds what the study keeps."""
         for i, configs in enumerate(runs):
             runner = self.spare_runner or TuneRun.remote()
-            # The next run's TuneRun starts (~2 s of imports, Tune's set-up) while this one runs.
+            # The next run's TuneRun starts (imports, Tune's set-up) while this one runs.
             self.spare_runner = TuneRun.remote() if i + 1 < len(runs) or not last_round else None
             self._fit(runner, name, configs, concurrency)
 

@@ -1,6 +1,6 @@
 """The single-worker fast path: a trial of world size 1 trains inside its own Ray Tune function
 trial, with no Ray Train controller, worker group or placement group to start (most of a
-TorchTrainer.fit's ~15 s here). What Ray Train did for it is kept:
+TorchTrainer.fit's fixed cost, docs/performance.md). What Ray Train did for it is kept:
 
 - reports: every evaluation goes to Tune (`tune.report`), which the coordinator turns into rows;
 - checkpoints: written to the same `<study>/trials/<trial>/checkpoint_*` layout, the N best by

@@ -1,11 +1,11 @@
 """One Ray Tune run of a round's trials, in a Ray actor of its own that ends with the run.
 
 Tune's driver loop leaves memory behind in the process that runs it: freed, but kept by the
-allocators (glibc's arenas, Python's and Arrow's), ~35-75 KB a trial, while the live objects
-stay flat (docs/scale.md). Run in the coordinator, which lasts the whole study, that grew with
-the study; run here, it goes when the run ends. The callback sends each trial event to the
-coordinator (`Coordinator.trial_event`) and waits for it, so events arrive in order and the
-trial table holds every one of them when the run returns."""
+allocators (glibc's arenas, Python's and Arrow's), growing with every trial while the live
+objects stay flat (docs/performance.md, docs/scale.md). Run in the coordinator, which lasts the
+whole study, that grew with the study; run here, it goes when the run ends. The callback sends
+each trial event to the coordinator (`Coordinator.trial_event`) and waits for it, so events
+arrive in order and the trial table holds every one of them when the run returns."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def trial_resources(scaling) -> dict:
 
 def tune_trial(config: dict, study: Study) -> None:
     """The Tune trial function. The trainer (torch, the workload) is imported in the trial's
-    process only: a TuneRun process starts without it (~2 s of imports fewer per Tune run)."""
+    process only: a TuneRun process starts without those imports (docs/performance.md)."""
     from service.orchestration import launch
 
     launch.tune_trial(config, study)

@@ -269,8 +269,9 @@ class Round:
     max_train_steps."""
     trials_per_tune_run: int = 0
     """The round runs as consecutive Ray Tune runs of at most this many trials, because Tune
-    keeps ~185 KB per trial in its process until the run ends; 0 = max(512, 32 x the
-    round's concurrency), which bounds that memory and idles slots only at a run's tail."""
+    keeps each trial's state in its process until the run ends (docs/performance.md); 0 =
+    max(512, 32 x the round's concurrency), which bounds that memory and idles slots only at a
+    run's tail."""
 
     @property
     def multiplier(self) -> float:

@@ -1,9 +1,8 @@
 """Coalesced rewrites of a whole file (the trial table and, with it, the study's index row).
 
 Rewriting a table of n rows after each of a study's trial events costs O(n) each time, so
-O(n^2) over the study: at 10,000 rows one rewrite of the trial table took ~90 ms here, and an
-emulated study of 3,000 trials spent ~165 s in them. An object store also limits how often one object
-may be rewritten (GCS: once per second per object name). So a change *requests* a write; it
+O(n^2) over the study (what it cost: docs/performance.md). An object store also limits how
+often one object may be rewritten (GCS: once per second per object name). So a change *requests* a write; it
 runs at once if the last write is long enough ago, else once when the wait ends, for every
 change requested meanwhile. The wait after a write is the longer of `min_interval_s` and what
 keeps writing to `share` of the time (9x the write's duration at share 0.1): however large the
