@@ -69,3 +69,14 @@ def test_prose_names_figures_without_restating_them():
             for m in re.finditer(rf"`{key}`\**\s*\(?~?\d", text):
                 found.append(f"{doc.relative_to(ROOT)}: {m.group(0)!r}")
     assert not found, found
+
+
+def test_the_readme_study_is_valid(tmp_path, capsys):
+    """The README's minimal study passes `playbook validate` as it stands."""
+    from service import cli
+
+    readme = (ROOT / "README.md").read_text()
+    text = readme.split("## A minimal study", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "study.yaml").write_text(text)
+    assert cli.main(["validate", str(tmp_path / "study.yaml")]) == 0
+    assert capsys.readouterr().out.startswith("ok: study my-study: 2 round(s), 10 trials")
