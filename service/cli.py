@@ -9,6 +9,7 @@ import os
 import sys
 
 from service.core.errors import PlaybookError, SpecError, StudyNotFound
+from service.core.trial_status import TrialStatus
 from service.study import spec
 from service.tracking.trial_table import cell
 
@@ -184,7 +185,7 @@ def cmd_run(args) -> int:
     rows = run_study(study)
     print_table(rows, study.training.metric, study.training.mode)
     print_verdicts(study.study_uri)
-    failed = [r["trial_name"] for r in rows if r.get("status") == "FAILED"]
+    failed = [r["trial_name"] for r in rows if r.get("status") == TrialStatus.FAILED]
     if failed:
         print(f"playbook: {len(failed)} trial(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

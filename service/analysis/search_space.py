@@ -35,6 +35,7 @@ from service.analysis.verdicts import (
     range_position,
     ranked_results,
 )
+from service.core.trial_status import TrialStatus
 from service.study.spec import HParam
 
 # ----------------------------------------------------------------------------- boundary
@@ -249,9 +250,9 @@ def infeasible_region(rows: Iterable[Mapping[str, Any]], space: Mapping[str, HPa
             value = as_number(row.get(f"hp/{name}"))
             if value is None:
                 continue
-            if row.get("status") == "DIVERGED":
+            if row.get("status") == TrialStatus.DIVERGED:
                 diverged.append(value)
-            elif row.get("status") == "FINISHED" and as_number(row.get("best_metric")) is not None:
+            elif row.get("status") == TrialStatus.FINISHED and as_number(row.get("best_metric")) is not None:
                 feasible.append(value)
         if not diverged and not feasible:
             continue

@@ -13,6 +13,7 @@ import ray
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.core import storage
 from service.core.errors import PlaybookError
+from service.core.trial_status import DONE, TrialStatus
 from service.orchestration.ray_private import remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
 from service.orchestration.tune_run import TuneRun
@@ -22,7 +23,7 @@ from service.study.checks import trial_footprint
 from service.study.spec import Round, Study
 from service.tracking import observe
 from service.tracking.progress import ProgressLimiter
-from service.tracking.trial_events import DONE, TrialEvents
+from service.tracking.trial_events import TrialEvents
 from service.tracking.trial_table import TrialTable
 
 NAMESPACE = "playbook"
@@ -115,7 +116,7 @@ class Coordinator:
                 self.table.update(
                     c["trial_name"],
                     round=rnd.name,
-                    status="PENDING",
+                    status=TrialStatus.PENDING,
                     max_train_steps=c["max_train_steps"],
                     **row_fields(c),
                 )

@@ -21,6 +21,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig
 from service.analysis.input_bound import trial_input_row
 from service.core import storage
 from service.core.errors import CheckpointError, DataError
+from service.core.trial_status import TrialStatus
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
 from service.orchestration.tune_run import ERROR_FILE, is_fast_path
@@ -266,7 +267,7 @@ def failed_summary(plan: TrialPlan, error: DataError) -> dict:
     storage.write_bytes_atomic(storage.join(plan.trial_uri, ERROR_FILE), (message + "\n").encode())
     return {
         plan.study.training.metric: worst(plan.study.training.mode),
-        "status": "failed",
+        "status": TrialStatus.FAILED.reported,
         "error": message,
         "best_step": None,
         "best_checkpoint": None,
@@ -290,7 +291,7 @@ def summary_fields(plan: TrialPlan, checkpoint_by_step: dict[int, str], num_chec
     last = history[-1] if history else {}
     return {
         tr.metric: best[tr.metric] if best else worst(tr.mode),
-        "status": last.get("status", "finished"),
+        "status": last.get("status", TrialStatus.FINISHED.reported),
         "last_step": last.get("step", 0),
         "best_step": best["step"] if best else None,
         "best_checkpoint": checkpoint_by_step.get(best["step"]) if best else None,

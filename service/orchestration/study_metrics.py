@@ -16,6 +16,8 @@ import threading
 
 from ray.util.metrics import Counter, Gauge
 
+from service.core.trial_status import TrialStatus
+
 TAG_KEYS = ("study",)
 REPUBLISH_S = 5.0
 
@@ -47,7 +49,7 @@ class StudyMetrics:
 
         self.trials = {
             status: gauge(f"trials_{status.lower()}", f"trials of the study that are {status}")
-            for status in ("PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED")
+            for status in TrialStatus
         }
         self.steps_per_s = gauge("steps_per_s", "training steps per second, summed over running trials")
         self.exposed_input = gauge(
@@ -73,7 +75,7 @@ class StudyMetrics:
             if exposed is not None:
                 self._exposed[trial_name] = exposed
             finite = isinstance(value, float | int) and math.isfinite(value)
-            if result.get("status") != "diverged" and finite:
+            if result.get("status") != TrialStatus.DIVERGED.reported and finite:
                 if self._best is None or (value < self._best if self.mode == "min" else value > self._best):
                     self._best = float(value)
         self.publish()

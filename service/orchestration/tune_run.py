@@ -16,6 +16,7 @@ from ray import tune
 from ray.tune.logger import JsonLoggerCallback
 
 from service.core import storage
+from service.core.trial_status import TrialStatus
 from service.study.spec import Study
 
 # A Ray Train trial's Tune trial only drives its worker group, whose workers reserve the CPUs
@@ -44,7 +45,7 @@ class ProgressCallback(tune.Callback):
         self._send("started", trial)
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        if result.get("summary") and result.get("status") == "failed":
+        if result.get("summary") and result.get("status") == TrialStatus.FAILED.reported:
             # A data error: the trial function ended it without a retry (`launch.tune_trial`),
             # its message already in the trial's error.txt.
             self._send("error", trial, result["error"])

@@ -19,6 +19,7 @@ from typing import Any
 
 from service import workloads
 from service.core.errors import SpecError
+from service.core.trial_status import TrialStatus
 from service.study.spec import OPTIMIZER_HPARAMS, HParam, Round, Schedule, Study
 
 FIT_METRIC = "train_eval/loss"
@@ -100,7 +101,7 @@ def first_fit_step(history: list[dict], threshold: float) -> int | None:
     `threshold`; None if there is none or the trial diverged first."""
     for row in history:
         loss = row.get(FIT_METRIC)
-        if row.get("status") == "diverged":
+        if row.get("status") == TrialStatus.DIVERGED.reported:
             return None
         if isinstance(loss, float) and math.isfinite(loss) and loss <= threshold:
             return row["step"]

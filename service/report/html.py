@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import time
 
+from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 from service.report.sentences import Sentence
 from service.tracking.trial_table import cell
@@ -76,7 +77,14 @@ def header(data: StudyData, best_row: dict | None) -> str:
 def _counts(rows: list[dict]) -> str:
     statuses = [r.get("status") for r in rows]
     parts = [
-        f"{statuses.count(s)} {s.lower()}" for s in ("FINISHED", "DIVERGED", "FAILED", "RUNNING", "PENDING")
+        f"{statuses.count(s)} {s.lower()}"
+        for s in (
+            TrialStatus.FINISHED,
+            TrialStatus.DIVERGED,
+            TrialStatus.FAILED,
+            TrialStatus.RUNNING,
+            TrialStatus.PENDING,
+        )
     ]
     return f"{len(rows)}: " + ", ".join(p for p in parts if not p.startswith("0 "))
 

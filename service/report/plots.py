@@ -13,6 +13,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
 from service.analysis.verdicts import EARLY_FRACTION, LATE_FRACTION, ranked_results
+from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 
 BEST_COLOR, TRIAL_COLOR, DIVERGED_COLOR = "#d62728", "#1f77b4", "#7f7f7f"
@@ -68,8 +69,10 @@ def hparam_axes(data: StudyData) -> Figure | None:
     space = data.study.searched_hparams
     if not space:
         return None
-    finished = [r for r in data.rows if r.get("status") == "FINISHED" and _finite(r.get("best_metric"))]
-    diverged = [r for r in data.rows if r.get("status") == "DIVERGED"]
+    finished = [
+        r for r in data.rows if r.get("status") == TrialStatus.FINISHED and _finite(r.get("best_metric"))
+    ]
+    diverged = [r for r in data.rows if r.get("status") == TrialStatus.DIVERGED]
     best = best_trial(data)
     fig = Figure(figsize=(4.2 * len(space), 3.6))
     axes = fig.subplots(1, len(space), squeeze=False)[0]
@@ -121,7 +124,9 @@ def best_step_positions(data: StudyData) -> Figure | None:
     fractions = [
         r["best_step"] / r["max_train_steps"]
         for r in data.rows
-        if r.get("status") == "FINISHED" and _finite(r.get("best_step")) and r.get("max_train_steps")
+        if r.get("status") == TrialStatus.FINISHED
+        and _finite(r.get("best_step"))
+        and r.get("max_train_steps")
     ]
     if not fractions:
         return None

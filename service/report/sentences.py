@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.analysis.verdicts import fmt
+from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 
 
@@ -34,7 +35,7 @@ def verdict_sentences(data: StudyData) -> list[Sentence]:
 
 
 def divergence_sentences(data: StudyData) -> list[Sentence]:
-    diverged = [r for r in data.rows if r.get("status") == "DIVERGED"]
+    diverged = [r for r in data.rows if r.get("status") == TrialStatus.DIVERGED]
     if not diverged:
         return [Sentence("divergence", "divergence", "ok", f"No trial diverged ({len(data.rows)} trials).")]
     out = []

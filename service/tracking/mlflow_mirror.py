@@ -18,6 +18,7 @@ import threading
 
 from service.core import storage
 from service.core.errors import SpecError
+from service.core.trial_status import TrialStatus
 from service.study.spec import Study
 from service.tracking import provenance
 
@@ -130,12 +131,12 @@ class MlflowMirror:
         run_id = self._runs.get(trial_name)
         if run_id is None:
             return
-        status = row.get("status", "FINISHED")
+        status = row.get("status", TrialStatus.FINISHED)
         best = row.get("best_metric")
-        if isinstance(best, float | int) and math.isfinite(best) and status == "FINISHED":
+        if isinstance(best, float | int) and math.isfinite(best) and status == TrialStatus.FINISHED:
             self.client.log_metric(run_id, "best_metric", float(best), step=int(row.get("best_step") or 0))
         for key in ("best_step", "best_checkpoint", "diverged_at_step"):
             if row.get(key) is not None:
                 self.client.set_tag(run_id, f"playbook.{key}", str(row[key]))
         self.client.set_tag(run_id, "playbook.status", status)
-        self.client.set_terminated(run_id, "FAILED" if status == "FAILED" else "FINISHED")
+        self.client.set_terminated(run_id, "FAILED" if status == TrialStatus.FAILED else "FINISHED")

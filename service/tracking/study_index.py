@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from service.core import storage
+from service.core.trial_status import TrialStatus
 
 INDEX_DIR = "_index"
 COLUMNS = (
@@ -77,9 +78,9 @@ def study_row(
         "state": state,
         "study_file": storage.join(study_uri, "study.yaml"),
         "trials": len(trial_rows),
-        "trials_finished": statuses.count("FINISHED"),
-        "trials_diverged": statuses.count("DIVERGED"),
-        "trials_failed": statuses.count("FAILED"),
+        "trials_finished": statuses.count(TrialStatus.FINISHED),
+        "trials_diverged": statuses.count(TrialStatus.DIVERGED),
+        "trials_failed": statuses.count(TrialStatus.FAILED),
         "metric": metric,
         "best_metric": best.get("best_metric"),
         "best_trial": best.get("trial_name"),

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
+from service.core.trial_status import TrialStatus
 from service.tracking.observe import StudyObservers
 from service.tracking.progress import ProgressLimiter, fmt, progress_line
 from service.tracking.trial_table import TrialTable
-
-# A trial whose row has one of these is over; a rerun of the study does not start it again.
-DONE = ("FINISHED", "DIVERGED")
 
 
 class TrialEvents:
@@ -23,7 +21,7 @@ class TrialEvents:
         self.limiter = observers.limiter if observers else ProgressLimiter(0)
 
     def started(self, trial: dict) -> None:
-        self.table.update(trial["trial_name"], status="RUNNING")
+        self.table.update(trial["trial_name"], status=TrialStatus.RUNNING)
         self.table.save_soon()  # and the study's index row (the table's on_save)
         if self.mirror:
             self.mirror.trial_started(trial)
@@ -37,12 +35,13 @@ class TrialEvents:
             self.observers.metrics.on_report(name, result, self.metric)
         if self.mirror:
             self.mirror.report(name, result)
-        self.table.update(name, status="RUNNING", step=step, metric=result.get(self.metric))
+        self.table.update(name, status=TrialStatus.RUNNING, step=step, metric=result.get(self.metric))
         if self.limiter.should_print(name, step, total):
             print(progress_line(name, result, total, self.metric), flush=True)
 
     def _summary(self, name: str, result: dict) -> None:
-        status = {"diverged": "DIVERGED"}.get(result.get("status"), "FINISHED")
+        diverged = result.get("status") == TrialStatus.DIVERGED.reported
+        status = TrialStatus.DIVERGED if diverged else TrialStatus.FINISHED
         row = self.table.update(
             name,
             status=status,
@@ -53,7 +52,7 @@ class TrialEvents:
             diverged_at_step=result.get("diverged_at_step"),
             **{k: result.get(k) for k in INPUT_ROW_FIELDS},
         )
-        if status == "FINISHED" and row.get("best_step") is not None:
+        if status == TrialStatus.FINISHED and row.get("best_step") is not None:
             verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
             self.table.update(name, step_verdict=verdict.message if verdict.is_warning else "ok")
         print(
@@ -68,7 +67,7 @@ class TrialEvents:
 
     def error(self, trial: dict, error: str) -> None:
         name = trial["trial_name"]
-        row = self.table.update(name, status="FAILED", error=error)
+        row = self.table.update(name, status=TrialStatus.FAILED, error=error)
         self.table.save_soon()
         self._done(name, row)
         print(f"[{name}] FAILED: {error}", flush=True)

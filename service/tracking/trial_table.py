@@ -17,7 +17,6 @@ import pyarrow.parquet as pq
 from service.core import storage
 from service.tracking.coalesce import Coalesced
 
-STATUSES = ("PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED")
 COLUMNS = (
     "trial_name",
     "round",
