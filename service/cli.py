@@ -9,9 +9,9 @@ import os
 import sys
 
 from service.core.errors import PlaybookError, SpecError, StudyNotFound
+from service.core.formatting import cell
 from service.core.trial_status import TrialStatus
 from service.study import spec
-from service.tracking.trial_table import cell
 
 DEMO_STUDY = "studies/digits-demo.yaml"
 

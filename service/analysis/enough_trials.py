@@ -23,9 +23,9 @@ from service.analysis.verdicts import (
     _sign,
     _trials,
     _verdict,
-    fmt,
     ranked_results,
 )
+from service.core.formatting import fmt
 
 MIN_TRIALS = 5
 """Fewer finished trials than this always earn an `enough_trials` warning."""

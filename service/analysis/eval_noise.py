@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.verdicts import OK, WARNING, Verdict, _trials, _verdict, fmt, ranked_results
+from service.analysis.verdicts import OK, WARNING, Verdict, _trials, _verdict, ranked_results
+from service.core.formatting import fmt
 
 
 def standard_error(values: np.ndarray, weights: np.ndarray | None = None) -> float:

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from service.analysis.verdicts import fmt, ranked_results
+from service.analysis.verdicts import ranked_results
+from service.core.formatting import fmt
 from service.study.spec import HParam
 
 

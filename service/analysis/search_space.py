@@ -31,10 +31,10 @@ from service.analysis.verdicts import (
     _trials,
     _verdict,
     as_number,
-    fmt,
     range_position,
     ranked_results,
 )
+from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.study.spec import HParam
 

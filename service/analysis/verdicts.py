@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
+from service.core.formatting import fmt
 from service.study.spec import HParam
 
 Severity = Literal["ok", "warning"]
@@ -103,15 +104,6 @@ def ranked_results(rows: Iterable[Mapping[str, Any]], mode: str) -> list[Mapping
     """`results(rows)`, best first; ties go to the earlier trial name, so the order is stable."""
     sign = _sign(mode)
     return sorted(results(rows), key=lambda r: (sign * float(r["best_metric"]), str(r.get("trial_name"))))
-
-
-def fmt(v: Any) -> str:
-    """A value for a message: floats with 4 significant digits, everything else as str()."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        return str(v)
-    if isinstance(v, numbers.Integral):
-        return str(int(v))
-    return f"{float(v):.4g}"
 
 
 def range_position(value: float, hp: HParam) -> float | None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import html
 import time
 
+from service.core.formatting import cell
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 from service.report.sentences import Sentence
-from service.tracking.trial_table import cell
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em; color: #222; }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.analysis.verdicts import fmt
+from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 

@@ -12,6 +12,8 @@ import math
 import time
 from collections.abc import Callable
 
+from service.core.formatting import fmt
+
 DEFAULT_MIN_INTERVAL_S = 10.0
 
 
@@ -52,11 +54,6 @@ def format_duration(seconds: float | None) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def fmt(v) -> str:
-    """A reported value for a log line: floats with 4 significant digits."""
-    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
 
 
 def progress_line(trial_name: str, result: dict, max_steps: int, metric: str) -> str:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
+from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.tracking.observe import StudyObservers
-from service.tracking.progress import ProgressLimiter, fmt, progress_line
+from service.tracking.progress import ProgressLimiter, progress_line
 from service.tracking.trial_table import TrialTable
 
 
