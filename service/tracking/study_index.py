@@ -15,17 +15,14 @@ so the last table written holds every study whose index object was written befor
 
 from __future__ import annotations
 
-import io
 import json
 import shlex
 import time
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from service.core import storage
+from service.core import storage, tables
 from service.core.trial_status import TrialStatus
 
 INDEX_DIR = "_index"
@@ -169,14 +166,9 @@ def compile_table(storage_root: str) -> list[dict]:
 
 
 def _write_table(storage_root: str, rows: list[dict]) -> None:
-    names = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
-    table = pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows])
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    storage.write_bytes_atomic(storage.join(storage_root, "studies.parquet"), buf.getvalue())
-    csv = io.BytesIO()
-    pacsv.write_csv(table, csv)
-    storage.write_bytes_atomic(storage.join(storage_root, "studies.csv"), csv.getvalue())
+    table = pa.table(tables.columns(rows, COLUMNS))
+    parquet_uri = storage.join(storage_root, "studies.parquet")
+    tables.write_parquet_csv(table, parquet_uri, storage.join(storage_root, "studies.csv"))
 
 
 def read_table(storage_root: str) -> list[dict]:

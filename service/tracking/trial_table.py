@@ -5,16 +5,14 @@ to `<study>/trials.parquet` and `<study>/trials.csv` when a trial changes state 
 from __future__ import annotations
 
 import io
-import math
 import threading
 import time
 from collections.abc import Callable
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from service.core import storage
+from service.core import storage, tables
 from service.tracking.coalesce import Coalesced
 
 COLUMNS = (
@@ -94,18 +92,12 @@ class TrialTable:
         # churn next to the rows' own updates left the coordinator's heap fragmented).
         with self._lock:
             rows = list(self.rows.values())
-            names = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
-            columns = {k: [r.get(k) for r in rows] for k in names}
+            columns = tables.columns(rows, COLUMNS)
         if not rows:
             return
         table = pa.table(columns)
         del columns
-        buf = io.BytesIO()
-        pq.write_table(table, buf)
-        storage.write_bytes_atomic(self.parquet_uri, buf.getvalue())
-        csv = io.BytesIO()
-        pacsv.write_csv(table, csv)
-        storage.write_bytes_atomic(storage.join(self.study_uri, "trials.csv"), csv.getvalue())
+        tables.write_parquet_csv(table, self.parquet_uri, storage.join(self.study_uri, "trials.csv"))
         if self.on_save:
             self.on_save(rows)  # the live rows: read them, do not keep or change them
 
@@ -116,12 +108,3 @@ def read_rows(study_uri: str) -> list[dict]:
         return []
     # Read on this thread: Python-owned bytes (see data.files.ParquetReader.read_row_group).
     return pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False).to_pylist()
-
-
-def cell(v) -> str:
-    """A value as a table cell: '-' for none, floats with 4 significant digits."""
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
