@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from service.core import ranking
 from service.core.errors import PlaybookError, SpecError, StudyNotFound
 from service.core.formatting import cell
 from service.core.trial_status import TrialStatus
@@ -411,10 +412,8 @@ def print_table(rows: list[dict], metric: str, mode: str) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for line in lines:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
-    done = [r for r in rows if r.get("status") == "FINISHED" and r.get("best_metric") is not None]
-    if done:
-        sign = 1 if mode == "min" else -1
-        best = min(done, key=lambda r: sign * r["best_metric"])
+    best = ranking.best_result(rows, mode)
+    if best:
         print(
             f"best trial: {best['trial_name']} {metric}={cell(best['best_metric'])} "
             f"at step {best.get('best_step')}"

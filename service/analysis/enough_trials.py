@@ -20,12 +20,12 @@ from service.analysis.verdicts import (
     WARNING,
     Verdict,
     _pct,
-    _sign,
     _trials,
     _verdict,
-    ranked_results,
 )
+from service.core import ranking
 from service.core.formatting import fmt
+from service.core.ranking import ranked_results
 
 MIN_TRIALS = 5
 """Fewer finished trials than this always earn an `enough_trials` warning."""
@@ -58,7 +58,7 @@ def enough_trials(
     than a retrain does is too small), else 0.25 times the 10th-90th percentile range of the n
     results themselves. No results: a warning.
     """
-    sign = _sign(mode)
+    sign = ranking.sign(mode)
     if num_bootstrap < 1:
         raise ValueError(f"num_bootstrap must be >= 1 (got {num_bootstrap})")
     if tolerance is not None and not tolerance >= 0:

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.verdicts import OK, WARNING, Verdict, _trials, _verdict, ranked_results
+from service.analysis.verdicts import OK, WARNING, Verdict, _trials, _verdict
 from service.core.formatting import fmt
+from service.core.ranking import ranked_results
 
 
 def standard_error(values: np.ndarray, weights: np.ndarray | None = None) -> float:

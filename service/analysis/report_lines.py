@@ -6,8 +6,9 @@ from __future__ import annotations
 from service.analysis.input_bound import row_verdicts
 from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
-from service.analysis.verdicts import Verdict, ranked_results
+from service.analysis.verdicts import Verdict
 from service.core.formatting import fmt
+from service.core.ranking import ranked_results
 from service.study.spec import Study
 
 

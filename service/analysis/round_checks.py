@@ -26,9 +26,9 @@ from service.analysis.verdicts import (
     _pct,
     _verdict,
     early_is_visible,
-    ranked_results,
     study_verdicts,
 )
+from service.core.ranking import ranked_results
 from service.study.spec import Study
 
 RATE_METRICS = ("error", "accuracy")

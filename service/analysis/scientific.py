@@ -10,7 +10,7 @@ scientific value, or an average over nuisance settings, would compare how well e
 happened to be tuned rather than the values themselves.
 
 Only results count (FINISHED rows with a finite best_metric, see
-`service.analysis.verdicts.results`); a group's `num_trials` is its number of results, the
+`service.core.ranking.results`); a group's `num_trials` is its number of results, the
 tuning budget that went into its best.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from service.analysis.verdicts import ranked_results
 from service.core.formatting import fmt
+from service.core.ranking import ranked_results
 from service.study.spec import HParam
 
 

@@ -27,14 +27,14 @@ from service.analysis.verdicts import (
     Verdict,
     _numeric_choices,
     _pct,
-    _sign,
     _trials,
     _verdict,
     as_number,
     range_position,
-    ranked_results,
 )
+from service.core import ranking
 from service.core.formatting import fmt
+from service.core.ranking import ranked_results
 from service.core.trial_status import TrialStatus
 from service.study.spec import HParam
 
@@ -73,7 +73,7 @@ def boundary(
     no verdict, nor do dimensions none of the top-k trials has a value for, nor one-point
     ranges. No results, no verdicts.
     """
-    _sign(mode)  # validates mode
+    ranking.sign(mode)  # validates mode
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1 (got {top_k})")
     if not 0 <= margin < 0.5:

@@ -38,12 +38,12 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from service.core.formatting import fmt
+from service.core.ranking import ranked_results
 from service.study.spec import HParam
 
 Severity = Literal["ok", "warning"]
 OK: Severity = "ok"
 WARNING: Severity = "warning"
-MODES = ("min", "max")
 
 EARLY_FRACTION = Fraction(1, 10)
 """A best step <= EARLY_FRACTION * max_train_steps is in the first 10% of training."""
@@ -95,17 +95,6 @@ def as_number(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def results(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The rows that count as results: FINISHED with a finite best_metric."""
-    return [r for r in rows if r.get("status") == "FINISHED" and as_number(r.get("best_metric")) is not None]
-
-
-def ranked_results(rows: Iterable[Mapping[str, Any]], mode: str) -> list[Mapping[str, Any]]:
-    """`results(rows)`, best first; ties go to the earlier trial name, so the order is stable."""
-    sign = _sign(mode)
-    return sorted(results(rows), key=lambda r: (sign * float(r["best_metric"]), str(r.get("trial_name"))))
-
-
 def range_position(value: float, hp: HParam) -> float | None:
     """Where `value` lies in the range [hp.min, hp.max], as a fraction of the range measured in
     the dimension's own scale (log10 for scale log): 0 at the lower bound, 1 at the upper one,
@@ -119,12 +108,6 @@ def range_position(value: float, hp: HParam) -> float | None:
     if hi == lo:
         return None
     return (value - lo) / (hi - lo)
-
-
-def _sign(mode: str) -> float:
-    if mode not in MODES:
-        raise ValueError(f"mode must be 'min' or 'max' (got {mode!r})")
-    return 1.0 if mode == "min" else -1.0
 
 
 def _numeric_choices(hp: HParam) -> list[Any] | None:

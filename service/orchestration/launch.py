@@ -21,11 +21,12 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig
 from service.analysis.input_bound import trial_input_row
 from service.core import storage
 from service.core.errors import CheckpointError, DataError
+from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
 from service.orchestration.tune_run import ERROR_FILE, is_fast_path
-from service.planning.trial import TrialPlan, best_row, worst
+from service.planning.trial import TrialPlan
 from service.study.spec import Study
 from service.trainer import checkpoint, loop
 from service.trainer.checkpoint import TrialState

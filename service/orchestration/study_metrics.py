@@ -16,6 +16,7 @@ import threading
 
 from ray.util.metrics import Counter, Gauge
 
+from service.core import ranking
 from service.core.trial_status import TrialStatus
 
 TAG_KEYS = ("study",)
@@ -76,7 +77,7 @@ class StudyMetrics:
                 self._exposed[trial_name] = exposed
             finite = isinstance(value, float | int) and math.isfinite(value)
             if result.get("status") != TrialStatus.DIVERGED.reported and finite:
-                if self._best is None or (value < self._best if self.mode == "min" else value > self._best):
+                if self._best is None or ranking.key(value, self.mode) < ranking.key(self._best, self.mode):
                     self._best = float(value)
         self.publish()
 

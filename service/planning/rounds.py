@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+from service.core import ranking
 from service.core.errors import PlaybookError
 from service.planning import schedules
 from service.planning.search import quasi_random_configs
@@ -37,7 +38,7 @@ def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
 
 def _extend(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     source = study.source_round(rnd)
-    best = best_finished(rows, source.name, study.training.mode)
+    best = ranking.best_result([r for r in rows if r.get("round") == source.name], study.training.mode)
     if best is None:
         raise PlaybookError(f"round {rnd.name}: round {source.name} has no finished trial to extend")
     hparams = {k.removeprefix("hp/"): v for k, v in best.items() if k.startswith("hp/")}
@@ -81,16 +82,6 @@ def _config(
         "schedule": schedules.as_dict(schedule),
         **extra,
     }
-
-
-def best_finished(rows: list[dict], round_name: str, mode: str) -> dict | None:
-    done = [
-        r
-        for r in rows
-        if r.get("round") == round_name and r.get("status") == "FINISHED" and r.get("best_metric") is not None
-    ]
-    sign = 1 if mode == "min" else -1
-    return min(done, key=lambda r: (sign * r["best_metric"], r["trial_name"]), default=None)
 
 
 def grid_configs(space: dict) -> list[dict]:

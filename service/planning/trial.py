@@ -1,12 +1,12 @@
-"""One trial's plan (what to train) and the retrospective choice of its best evaluation."""
+"""One trial's plan (what to train)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.core import storage
+from service.core.ranking import best_row  # noqa: F401 (tests/test_checkpoint_store imports it here; to go)
 from service.planning import schedules
 from service.study.spec import Schedule, Study, schedule_from_dict
 
@@ -65,26 +65,3 @@ class TrialPlan:
     @property
     def metrics_uri(self) -> str:
         return storage.join(self.trial_uri, "metrics.jsonl")
-
-
-def worst(mode: str) -> float:
-    return math.inf if mode == "min" else -math.inf
-
-
-def rank(value, step: int, mode: str) -> tuple[float, int]:
-    """Where an evaluation (and its checkpoint) ranks, best first when sorted ascending: by the
-    metric (a non-finite one last), and on a tie the later step first. This is Ray Train's own
-    order for checkpoints of equal score (the later report ranks higher), so retention on both
-    paths (Ray Train's, `trainer.checkpoint_store`'s) and the choice of the best agree: the best
-    evaluation's checkpoint is always one that is kept."""
-    finite = isinstance(value, float | int) and math.isfinite(value)
-    sign = 1 if mode == "min" else -1
-    return (sign * value if finite else math.inf, -step)
-
-
-def best_row(history: list[dict], metric: str, mode: str) -> dict | None:
-    """The evaluation with the best finite `metric` (the latest one on a tie: see `rank`)."""
-    rows = [r for r in history if isinstance(r.get(metric), float | int) and math.isfinite(r[metric])]
-    if not rows:
-        return None
-    return min(rows, key=lambda r: rank(r[metric], r["step"], mode))

@@ -8,8 +8,8 @@ html.py       the page
 
 from __future__ import annotations
 
-from service.analysis.verdicts import ranked_results
 from service.core import storage
+from service.core.ranking import best_result
 from service.report import html, plots
 from service.report.load import StudyData, load, study_uri_of
 from service.report.sentences import Sentence, all_sentences
@@ -19,9 +19,9 @@ __all__ = ["StudyData", "Sentence", "build", "load", "study_uri_of", "write"]
 
 def build(data: StudyData) -> tuple[str, list[Sentence]]:
     """(HTML page, sentences) of a loaded study."""
-    ranked = ranked_results(data.rows, data.mode)
     sentences = all_sentences(data)
-    return html.page(data, ranked[0] if ranked else None, plots.all_plots(data), sentences), sentences
+    best = best_result(data.rows, data.mode)
+    return html.page(data, best, plots.all_plots(data), sentences), sentences
 
 
 def write(data: StudyData, out_uri: str | None = None) -> tuple[str, list[Sentence]]:

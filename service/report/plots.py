@@ -12,7 +12,8 @@ import math
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
-from service.analysis.verdicts import EARLY_FRACTION, LATE_FRACTION, ranked_results
+from service.analysis.verdicts import EARLY_FRACTION, LATE_FRACTION
+from service.core.ranking import best_result
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 
@@ -30,8 +31,8 @@ def _finite(v) -> bool:
 
 
 def best_trial(data: StudyData) -> str | None:
-    ranked = ranked_results(data.rows, data.mode)
-    return ranked[0]["trial_name"] if ranked else None
+    best = best_result(data.rows, data.mode)
+    return best["trial_name"] if best else None
 
 
 def curves(data: StudyData, key: str, title: str) -> Figure | None:

@@ -22,7 +22,7 @@ import time
 import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
-from service.core import storage, tables
+from service.core import ranking, storage, tables
 from service.core.trial_status import TrialStatus
 
 INDEX_DIR = "_index"
@@ -65,9 +65,7 @@ def study_row(
 ) -> dict:
     """The study's row, from its trial rows and its provenance record."""
     statuses = [r.get("status") for r in trial_rows]
-    done = [r for r in trial_rows if r.get("status") == "FINISHED" and r.get("best_metric") is not None]
-    sign = 1 if mode == "min" else -1
-    best = min(done, key=lambda r: sign * r["best_metric"], default={})
+    best = ranking.best_result(trial_rows, mode) or {}
     prov = provenance or {}
     return {
         "study": name,

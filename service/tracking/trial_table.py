@@ -71,13 +71,6 @@ class TrialTable:
         with self._lock:
             return [dict(r) for r in self.rows.values()]
 
-    def best(self) -> dict | None:
-        done = [
-            r for r in self.snapshot() if r.get("best_metric") is not None and r.get("status") == "FINISHED"
-        ]
-        sign = 1 if self.mode == "min" else -1
-        return min(done, key=lambda r: sign * r["best_metric"], default=None)
-
     def save(self) -> None:
         """Write the table now."""
         self.writes.flush()

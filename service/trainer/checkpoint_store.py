@@ -26,7 +26,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from service.core import storage
-from service.planning.trial import rank
+from service.core.ranking import rank
 from service.trainer import checkpoint
 from service.trainer.checkpoint import TrialState
 

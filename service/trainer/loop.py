@@ -18,6 +18,7 @@ from torch import nn
 
 from service import workloads
 from service.core import storage
+from service.core.ranking import best_row, worst
 from service.data import files
 from service.data.files import list_files
 from service.data.input_timer import InputTimer
@@ -30,7 +31,7 @@ from service.evaluation.run import evaluate
 from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample, sample_of
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
-from service.planning.trial import TrialPlan, best_row, worst
+from service.planning.trial import TrialPlan
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
 from service.trainer.metrics_log import MetricsLog
