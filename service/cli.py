@@ -13,6 +13,7 @@ from service.core.errors import PlaybookError, SpecError, StudyNotFound
 from service.core.formatting import cell
 from service.core.trial_status import TrialStatus
 from service.study import spec
+from service.study.layout import INDEX_DIR, RootLayout, StudyLayout
 
 DEMO_STUDY = "studies/digits-demo.yaml"
 
@@ -209,13 +210,13 @@ def cmd_status(args) -> int:
         if "/" in args.study or (not args.storage and os.path.isdir(args.study)):
             if args.storage:
                 raise SpecError(f"study: {args.study} is a path; --storage goes with a study name")
-            if not storage.exists(storage.join(study_uri, "study.yaml")):
+            if not storage.exists(StudyLayout(study_uri).study_file):
                 raise StudyNotFound(f"{args.study}: no study.yaml there (not a study folder)")
         else:
             root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
-            study_uri = storage.join(root, args.study)
+            study_uri = StudyLayout.of(root, args.study).uri
         name, metric, mode = study_uri.rstrip("/").rsplit("/", 1)[-1], "validation/error", "min"
-        stored_file = storage.join(study_uri, "study.yaml")
+        stored_file = StudyLayout(study_uri).study_file
         if storage.exists(stored_file):
             stored = spec.load_text(storage.read_bytes(stored_file).decode(), source=stored_file)
             name, metric, mode = stored.name, stored.training.metric, stored.training.mode
@@ -242,7 +243,7 @@ def print_verdicts(study_uri: str) -> None:
     from service.analysis.report_lines import log_lines
     from service.core import storage
 
-    uri = storage.join(study_uri, "verdicts.json")
+    uri = StudyLayout(study_uri).verdicts
     if storage.exists(uri):
         for summary in json.loads(storage.read_bytes(uri)):
             for line in log_lines(summary):
@@ -269,14 +270,14 @@ def cmd_studies(args) -> int:
     root = storage.absolute(args.storage or os.environ.get("PLAYBOOK_STORAGE", "./playbook-studies"))
     rows = study_index.read_table(root)
     if not rows:
-        raise StudyNotFound(f"{root}: no studies recorded there (no {study_index.INDEX_DIR}/)")
+        raise StudyNotFound(f"{root}: no studies recorded there (no {INDEX_DIR}/)")
     cols = ["study", "state", "trials", "trials_finished", "trials_diverged", "trials_failed"]
     cols += ["best_metric", "best_trial", "git_commit"]
     lines = [[cell(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     for line in [cols, *lines]:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
-    print(f"table: {storage.join(root, 'studies.parquet')} (.csv)")
+    print(f"table: {RootLayout(root).studies_parquet} (.csv)")
     return 0
 
 
@@ -311,7 +312,7 @@ def cmd_find_steps(args) -> int:
     found = find_steps.choose(fits, study.find_steps.max_train_steps, threshold)
     for lr, step in found.fit_steps:
         print(f"learning_rate={lr:g}: " + (f"fits at step {step}" if step else "does not fit"))
-    storage.write_json(storage.join(sweep.study_uri, "find_steps.json"), dataclasses.asdict(found))
+    storage.write_json(sweep.layout.find_steps, dataclasses.asdict(found))
     print(found.message, file=sys.stdout if found.ok else sys.stderr)
     return 0 if found.ok else 1
 
@@ -319,14 +320,15 @@ def cmd_find_steps(args) -> int:
 def cmd_eval(args) -> int:
     from service import workloads
     from service.core import storage
-    from service.evaluation.offline import locate, output_uri, split_uri, stored_study
+    from service.evaluation.offline import locate, metrics_uri, output_uri, split_uri, stored_study
     from service.orchestration.launch import run_offline_eval
     from service.tracking import provenance
 
     uri = storage.absolute(args.checkpoint_uri)
-    if not storage.exists(storage.join(uri, "state.pt")):
-        raise StudyNotFound(f"{args.checkpoint_uri}: no checkpoint there (no state.pt)")
     from service.trainer import checkpoint
+
+    if not storage.exists(storage.join(uri, checkpoint.STATE_FILE)):
+        raise StudyNotFound(f"{args.checkpoint_uri}: no checkpoint there (no {checkpoint.STATE_FILE})")
 
     # A torn checkpoint (no manifest, or files that differ from it): one line, nothing started.
     checkpoint.verify(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
@@ -338,7 +340,7 @@ def cmd_eval(args) -> int:
     connect_ray(paths)
     run_offline_eval(uri, args.split, study)
     out = output_uri(uri, args.split)
-    metrics = json.loads(storage.read_bytes(storage.join(out, "metrics.json")))
+    metrics = json.loads(storage.read_bytes(metrics_uri(uri, args.split)))
     per_class = metrics.pop("per_class", None)
     for k in sorted(metrics):
         print(f"{args.split}/{k}: {cell(metrics[k])}")

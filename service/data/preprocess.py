@@ -188,7 +188,7 @@ def record_in_study(study) -> list[str]:
     record = data_provenance(study.data.train)
     if record is None:
         return []
-    storage.write_json(storage.join(study.study_uri, "data_provenance.json"), record)
+    storage.write_json(study.layout.data_provenance, record)
     lines = [
         f"data: {record['num_rows']} rows preprocessed by workload {record['workload']} from "
         f"{record['source']} at code version {record['code_version']}"

@@ -19,6 +19,7 @@ from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
 from service.nn.ghost_batchnorm import convert_to_ghost
 from service.study import spec
+from service.study.layout import StudyLayout, TrialLayout
 from service.trainer import checkpoint
 from service.trainer.rank0 import Rank0
 from service.trainer.topology import Topology
@@ -26,26 +27,32 @@ from service.trainer.topology import Topology
 
 def locate(checkpoint_uri: str) -> tuple[str, str]:
     """`<study>/trials/<trial>/checkpoint_*` -> (study URI, trial name)."""
-    trial_uri = posixpath.dirname(checkpoint_uri.rstrip("/"))
-    trials_uri = posixpath.dirname(trial_uri)
-    if posixpath.basename(trials_uri) != "trials":
-        raise StorageError(
-            f"{checkpoint_uri}: not a trial checkpoint (expected <study>/trials/<trial>/checkpoint_...)"
-        )
-    return posixpath.dirname(trials_uri), posixpath.basename(trial_uri)
+    trial = TrialLayout.of_checkpoint(checkpoint_uri)
+    return trial.study.uri, trial.name
 
 
 def stored_study(study_uri: str) -> spec.Study:
-    uri = storage.join(study_uri, "study.yaml")
+    uri = StudyLayout(study_uri).study_file
     if not storage.exists(uri):
         raise StorageError(f"{uri}: no stored study file next to the checkpoint")
     return spec.load_text(storage.read_bytes(uri).decode(), source=uri)
 
 
 def output_uri(checkpoint_uri: str, split: str) -> str:
-    study_uri, trial = locate(checkpoint_uri)
-    name = posixpath.basename(checkpoint_uri.rstrip("/"))
-    return storage.join(study_uri, "trials", trial, "evals", f"{split}-{name}")
+    """The folder of `metrics_uri` and `predictions_uri`."""
+    return TrialLayout.of_checkpoint(checkpoint_uri).eval_dir(split, _name(checkpoint_uri))
+
+
+def metrics_uri(checkpoint_uri: str, split: str) -> str:
+    return TrialLayout.of_checkpoint(checkpoint_uri).eval_metrics(split, _name(checkpoint_uri))
+
+
+def predictions_uri(checkpoint_uri: str, split: str) -> str:
+    return TrialLayout.of_checkpoint(checkpoint_uri).eval_predictions(split, _name(checkpoint_uri))
+
+
+def _name(checkpoint_uri: str) -> str:
+    return posixpath.basename(checkpoint_uri.rstrip("/"))
 
 
 def split_uri(study: spec.Study, split: str) -> str:
@@ -78,8 +85,7 @@ def evaluate_checkpoint(checkpoint_uri: str, split: str, topo: Topology, device=
         {"checkpoint": checkpoint_uri, "split": split, "step": state.step, "world_size": topo.world_size}
     )
     rows = log.gather()
-    out = output_uri(checkpoint_uri, split)
     rank0 = Rank0(topo)
-    rank0.run(prediction_files.write, storage.join(out, "predictions.parquet"), rows, split, state.step)
-    rank0.run(storage.write_json, storage.join(out, "metrics.json"), metrics)
+    rank0.run(prediction_files.write, predictions_uri(checkpoint_uri, split), rows, split, state.step)
+    rank0.run(storage.write_json, metrics_uri(checkpoint_uri, split), metrics)
     return metrics

@@ -82,9 +82,7 @@ class Coordinator:
                 ray.kill(self.spare_runner)
 
     def _run(self) -> list[dict]:
-        storage.write_bytes_atomic(
-            storage.join(self.study.study_uri, "study.yaml"), spec.dump_yaml(self.study).encode()
-        )
+        storage.write_bytes_atomic(self.study.layout.study_file, spec.dump_yaml(self.study).encode())
         summaries = []
         self.observers.rows_changed(self.table.snapshot())
         for i, rnd in enumerate(self.study.rounds):
@@ -96,7 +94,7 @@ class Coordinator:
                 raise
             summary = round_verdicts(self.study, rnd.name, self.table.snapshot())
             summaries.append(summary)
-            storage.write_json(storage.join(self.study.study_uri, "verdicts.json"), summaries)
+            storage.write_json(self.study.layout.verdicts, summaries)
             for line in log_lines(summary):
                 print(line, flush=True)
         self.state = "finished"

@@ -25,8 +25,9 @@ from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
-from service.orchestration.tune_run import ERROR_FILE, is_fast_path
+from service.orchestration.tune_run import is_fast_path
 from service.planning.trial import TrialPlan
+from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
 from service.trainer import checkpoint, loop
 from service.trainer.checkpoint import TrialState
@@ -71,7 +72,7 @@ def newest_committed_sibling(fs: pafs.FileSystem, path: str) -> tuple[str, Trial
     folders = [
         info.path
         for info in fs.get_file_info(pafs.FileSelector(parent))
-        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(CHECKPOINT_PREFIX)
     ]
 
     def reader_for(folder: str):
@@ -206,7 +207,7 @@ def trainer_for(plan: TrialPlan, in_tune: bool):
 
     study = plan.study
     scaling = study.scaling
-    fs, trials_path = storage.ray_storage(storage.join(study.study_uri, "trials"))
+    fs, trials_path = storage.ray_storage(study.layout.trials_dir)
     return trainer_class()(
         train_worker,
         train_loop_config={"plan": plan},
@@ -265,7 +266,7 @@ def failed_summary(plan: TrialPlan, error: DataError) -> dict:
     """A data error ends the trial without a retry (Tune restarts a trial that raises): the
     summary of a failed trial, with the error's message, also kept as the trial's error.txt."""
     message = str(error)
-    storage.write_bytes_atomic(storage.join(plan.trial_uri, ERROR_FILE), (message + "\n").encode())
+    storage.write_bytes_atomic(plan.layout.error_file, (message + "\n").encode())
     return {
         plan.study.training.metric: worst(plan.study.training.mode),
         "status": TrialStatus.FAILED.reported,
@@ -317,7 +318,7 @@ def prune_unregistered(plan: TrialPlan, result) -> list[str]:
     removed = []
     for e in entries:
         name = e["name"].rstrip("/")
-        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith("checkpoint_"):
+        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX):
             if name.lstrip("/") not in {k.lstrip("/") for k in kept}:
                 fs.rm(name, recursive=True)
                 removed.append(name)
@@ -369,7 +370,7 @@ def run_offline_eval(checkpoint_uri: str, split: str, study: Study) -> None:
     from service.evaluation.offline import locate
 
     scaling = study.scaling
-    fs, path = storage.ray_storage(storage.join(study.study_uri, "evals"))
+    fs, path = storage.ray_storage(study.layout.evals_dir)
     from ray.train.torch import TorchTrainer
 
     _, trial = locate(checkpoint_uri)

@@ -17,6 +17,7 @@ from ray.tune.logger import JsonLoggerCallback
 
 from service.core import storage
 from service.core.trial_status import TrialStatus
+from service.study.layout import StudyLayout
 from service.study.spec import Study
 
 # A Ray Train trial's Tune trial only drives its worker group, whose workers reserve the CPUs
@@ -27,16 +28,14 @@ TRIAL_DRIVER_MEMORY = 1 << 20
 # Tune restarts a trial whose process died (a fast-path trial resumes from its latest
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
-ERROR_FILE = "error.txt"
-"""A failed trial's error, in its folder of the study's storage."""
 
 
 class ProgressCallback(tune.Callback):
     """Sends Tune's trial events to the coordinator. Holds only its handle and the study's
-    trials folder: Tune pickles its callbacks with the experiment state."""
+    layout: Tune pickles its callbacks with the experiment state."""
 
-    def __init__(self, coordinator, trials_uri: str):
-        self.coordinator, self.trials_uri = coordinator, trials_uri
+    def __init__(self, coordinator, layout: StudyLayout):
+        self.coordinator, self.layout = coordinator, layout
 
     def _send(self, kind: str, trial, *args) -> None:
         ray.get(self.coordinator.trial_event.remote(kind, trial.config["trial"], *args))
@@ -70,7 +69,7 @@ class ProgressCallback(tune.Callback):
         if not lines:
             self._send("error", trial, "failed (no error recorded)")
             return
-        uri = storage.join(self.trials_uri, trial.config["trial"]["trial_name"], ERROR_FILE)
+        uri = self.layout.trial(trial.config["trial"]["trial_name"]).error_file
         storage.write_bytes_atomic(uri, text.encode())
         self._send("error", trial, f"{lines[-1]} (all of it: {uri})")
 
@@ -116,7 +115,7 @@ class TuneRun:
         os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
 
     def fit(self, study: Study, name: str, configs: list[dict], concurrency: int, coordinator) -> None:
-        fs, tune_path = storage.ray_storage(storage.join(study.study_uri, "tune"))
+        fs, tune_path = storage.ray_storage(study.layout.tune_dir)
         tune.Tuner(
             study_trainable(study),
             param_space={"trial": tune.grid_search(configs)},
@@ -133,7 +132,7 @@ class TuneRun:
                 # Tune's result.json per trial (what its ResultGrid reads at the run's end); no
                 # CSV or TensorBoard logs (see __init__).
                 callbacks=[
-                    ProgressCallback(coordinator, storage.join(study.study_uri, "trials")),
+                    ProgressCallback(coordinator, study.layout),
                     JsonLoggerCallback(),
                 ],
             ),

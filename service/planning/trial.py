@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.core import storage
 from service.core.ranking import best_row  # noqa: F401 (tests/test_checkpoint_store imports it here; to go)
 from service.planning import schedules
+from service.study.layout import TrialLayout
 from service.study.spec import Schedule, Study, schedule_from_dict
 
 
@@ -52,16 +52,21 @@ class TrialPlan:
         return self.schedule or schedules.for_trial(self.study.training.schedule, self.hparams)
 
     @property
+    def layout(self) -> TrialLayout:
+        """Where this trial's files are on storage."""
+        return self.study.layout.trial(self.trial_name)
+
+    @property
     def trial_uri(self) -> str:
-        return storage.join(self.study.study_uri, "trials", self.trial_name)
+        return self.layout.uri
 
     @property
     def topology_uri(self) -> str:
-        return storage.join(self.trial_uri, "topology.json")
+        return self.layout.topology
 
     def predictions_uri(self, split: str, step: int) -> str:
-        return storage.join(self.trial_uri, "predictions", f"{split}-step{step:08d}.parquet")
+        return self.layout.predictions(split, step)
 
     @property
     def metrics_uri(self) -> str:
-        return storage.join(self.trial_uri, "metrics.jsonl")
+        return self.layout.metrics_log

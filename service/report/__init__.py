@@ -27,6 +27,6 @@ def build(data: StudyData) -> tuple[str, list[Sentence]]:
 def write(data: StudyData, out_uri: str | None = None) -> tuple[str, list[Sentence]]:
     """Write the report (default `<study>/report.html`); returns (its URI, the sentences)."""
     page, sentences = build(data)
-    out_uri = out_uri or storage.join(data.study_uri, "report.html")
+    out_uri = out_uri or data.layout.report
     storage.write_bytes_atomic(storage.absolute(out_uri), page.encode("utf-8"))
     return out_uri, sentences

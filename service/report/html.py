@@ -59,7 +59,7 @@ def header(data: StudyData, best_row: dict | None) -> str:
     reproduce = " ".join(p.get("reproduce") or []) or "-"
     items = [
         ("description", _e(study.description or "-")),
-        ("study file", _link(f"{data.study_uri}/study.yaml")),
+        ("study file", _link(data.layout.study_file)),
         ("git commit", _e(p.get("git_commit") or "-") + (" (dirty)" if p.get("git_dirty") else "")),
         ("uncommitted diff", _link(p.get("uncommitted_diff"))),
         ("reproduce", f"<code>{_e(reproduce)}</code>"),

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from service.core import storage
 from service.core.errors import StudyNotFound
-from service.planning.trial import TrialPlan
 from service.study import spec
+from service.study.layout import StudyLayout
 from service.study.spec import Study
 from service.tracking import provenance, trial_table
 
@@ -27,6 +27,10 @@ class StudyData:
     verdicts: list[dict]
     """verdicts.json: one summary per round, {"round", "verdicts": [...], "scientific"}."""
     provenance: dict
+
+    @property
+    def layout(self) -> StudyLayout:
+        return StudyLayout(self.study_uri)
 
     @property
     def metric(self) -> str:
@@ -51,14 +55,15 @@ def _json(uri: str, default):
 
 
 def load(study_uri: str) -> StudyData:
-    study_file = storage.join(study_uri, "study.yaml")
+    layout = StudyLayout(study_uri)
+    study_file = layout.study_file
     if not storage.exists(study_file):
         raise StudyNotFound(f"{study_uri}: no stored study there (no study.yaml)")
     study = spec.load_text(storage.read_bytes(study_file).decode(), source=study_file)
     rows = sorted(trial_table.read_rows(study_uri), key=lambda r: r["trial_name"])
     histories = {}
     for row in rows:
-        uri = TrialPlan(study, row["trial_name"], row.get("round") or "").metrics_uri
+        uri = layout.trial(row["trial_name"]).metrics_log
         text = storage.read_bytes(uri).decode() if storage.exists(uri) else ""
         histories[row["trial_name"]] = [json.loads(line) for line in text.splitlines() if line.strip()]
     return StudyData(
@@ -66,6 +71,6 @@ def load(study_uri: str) -> StudyData:
         study_uri=study_uri,
         rows=rows,
         histories=histories,
-        verdicts=_json(storage.join(study_uri, "verdicts.json"), []),
+        verdicts=_json(layout.verdicts, []),
         provenance=provenance.read(study_uri) or {},
     )

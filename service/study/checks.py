@@ -204,7 +204,7 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
 
 def check_stored_study(study: Study) -> None:
     """A rerun resumes from the stored trial table: it must be readable."""
-    uri = storage.join(study.study_uri, "trials.parquet")
+    uri = study.layout.trials_parquet
     if storage.exists(uri):
         import io
 
@@ -219,7 +219,7 @@ def check_stored_study(study: Study) -> None:
 def check_storage(study: Study) -> None:
     """Write and remove a probe file in the study folder; folders the probe created are
     removed again, so a refused study leaves no trace."""
-    probe = storage.join(study.study_uri, f".write-probe-{uuid.uuid4().hex[:8]}")
+    probe = study.layout.write_probe(uuid.uuid4().hex[:8])
     try:
         fs, path = storage.split(probe)
     except StorageError as e:
@@ -279,7 +279,7 @@ def _run_only(path: str) -> bool:
 def check_same_study(study: Study) -> None:
     """A rerun resumes the stored study; a *different* study under the same name and storage
     would silently mix with it, so it is refused. Only `RUN_ONLY_FIELDS` may change."""
-    stored_uri = storage.join(study.study_uri, "study.yaml")
+    stored_uri = study.layout.study_file
     if not storage.exists(stored_uri):
         return
     from service.study import spec

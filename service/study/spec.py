@@ -18,6 +18,7 @@ import yaml
 
 from service.core import storage
 from service.core.errors import SpecError
+from service.study.layout import StudyLayout
 from service.study.sections import Budget, FindSteps, InputPipeline, Tracking
 from service.study.strict import Scalar, build, load_yaml
 from service.study.strict import non_negative as _non_negative
@@ -458,8 +459,13 @@ class Study:
         return {k: v.value for k, v in self.search.items() if not v.searched}
 
     @property
+    def layout(self) -> StudyLayout:
+        """Where this study's files are on storage."""
+        return StudyLayout.of(self.storage, self.name)
+
+    @property
     def study_uri(self) -> str:
-        return self.storage.rstrip("/") + "/" + self.name
+        return self.layout.uri
 
 
 def _schedule_value_errors(name: str, hp: HParam):

@@ -16,7 +16,6 @@ import math
 import os
 import threading
 
-from service.core import storage
 from service.core.errors import SpecError
 from service.core.trial_status import TrialStatus
 from service.study.spec import Study
@@ -65,7 +64,7 @@ class MlflowMirror:
         self.study = study
         self.tags = {
             "playbook.study": study.name,
-            "playbook.study_file": storage.join(study.study_uri, "study.yaml"),
+            "playbook.study_file": study.layout.study_file,
         }
         prov = provenance.read(study.study_uri)
         if prov:

@@ -28,9 +28,8 @@ import tempfile
 import service
 from service.core import storage
 from service.core.git import git
+from service.study.layout import StudyLayout
 
-DIFF_FILE = "uncommitted.diff"
-RECORD_FILE = "provenance.json"
 DIFF_CAP_BYTES = 1 << 20
 SECRET_PATTERNS = (
     ".env",
@@ -154,7 +153,7 @@ def reproduce_command(study_uri: str, workload: str, import_path: list[str]) -> 
     with the PYTHONPATH that imports it as this run did (its import path, then PYTHONPATH)."""
     from service.workloads import BUILTIN
 
-    command = [sys.executable, "-m", "service", "run", storage.join(study_uri, "study.yaml")]
+    command = [sys.executable, "-m", "service", "run", StudyLayout(study_uri).study_file]
     if workload in BUILTIN:
         return command
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -178,14 +177,14 @@ def capture(study_uri: str, workload: str, import_path: list[str], cap: int = DI
         "git_repository": state["repository"],
         "git_commit": state["commit"],
         "git_dirty": bool(state["diff"] or state["left_out"]),
-        "uncommitted_diff": storage.join(study_uri, DIFF_FILE) if state["diff"] else None,
+        "uncommitted_diff": StudyLayout(study_uri).uncommitted_diff if state["diff"] else None,
         "diff_left_out": state["left_out"],
         "import_path": import_path,
         "reproduce": reproduce_command(study_uri, workload, import_path),
     }
     if state["diff"]:
         storage.write_bytes_atomic(record["uncommitted_diff"], state["diff"])
-    storage.write_json(storage.join(study_uri, RECORD_FILE), record)
+    storage.write_json(StudyLayout(study_uri).provenance, record)
     return record
 
 
@@ -212,5 +211,5 @@ def summary(record: dict) -> str:
 
 def read(study_uri: str) -> dict | None:
     """The study's provenance record (written by `capture` when it was submitted), if any."""
-    uri = storage.join(study_uri, RECORD_FILE)
+    uri = StudyLayout(study_uri).provenance
     return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None

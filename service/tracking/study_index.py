@@ -24,8 +24,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from service.core import ranking, storage, tables
 from service.core.trial_status import TrialStatus
+from service.study.layout import RootLayout, StudyLayout
 
-INDEX_DIR = "_index"
 COLUMNS = (
     "study",
     "description",
@@ -50,7 +50,7 @@ MAX_RECOMPILES = 5
 
 
 def index_uri(storage_root: str, study_name: str) -> str:
-    return storage.join(storage_root, INDEX_DIR, f"{study_name}.json")
+    return RootLayout(storage_root).index_entry(study_name)
 
 
 def study_row(
@@ -71,7 +71,7 @@ def study_row(
         "study": name,
         "description": description,
         "state": state,
-        "study_file": storage.join(study_uri, "study.yaml"),
+        "study_file": StudyLayout(study_uri).study_file,
         "trials": len(trial_rows),
         "trials_finished": statuses.count(TrialStatus.FINISHED),
         "trials_diverged": statuses.count(TrialStatus.DIVERGED),
@@ -118,7 +118,7 @@ def record_study(study, trial_rows: list[dict], state: str, provenance: dict | N
 
 def read_index(storage_root: str) -> list[dict]:
     """Every study's row, straight from the index objects (sorted by study name)."""
-    fs, path = storage.split(storage.join(storage_root, INDEX_DIR))
+    fs, path = storage.split(RootLayout(storage_root).index_dir)
     fs.invalidate_cache(path)  # object-store listings are cached by fsspec; we need a fresh one
     if not fs.exists(path):
         return []
@@ -165,8 +165,8 @@ def compile_table(storage_root: str) -> list[dict]:
 
 def _write_table(storage_root: str, rows: list[dict]) -> None:
     table = pa.table(tables.columns(rows, COLUMNS))
-    parquet_uri = storage.join(storage_root, "studies.parquet")
-    tables.write_parquet_csv(table, parquet_uri, storage.join(storage_root, "studies.csv"))
+    root = RootLayout(storage_root)
+    tables.write_parquet_csv(table, root.studies_parquet, root.studies_csv)
 
 
 def read_table(storage_root: str) -> list[dict]:

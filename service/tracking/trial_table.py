@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from service.core import storage, tables
+from service.study.layout import StudyLayout
 from service.tracking.coalesce import Coalesced
 
 COLUMNS = (
@@ -40,6 +41,7 @@ class TrialTable:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.study_uri, self.metric, self.mode = study_uri, metric, mode
+        self.layout = StudyLayout(study_uri)
         self.on_save = on_save
         """Called with the rows after each write (the coordinator refreshes its study's index
         row and metrics there, at the same coalesced rate)."""
@@ -49,7 +51,7 @@ class TrialTable:
 
     @property
     def parquet_uri(self) -> str:
-        return storage.join(self.study_uri, "trials.parquet")
+        return self.layout.trials_parquet
 
     def load_existing(self) -> None:
         """Pick up the rows of an earlier, interrupted run of the same study."""
@@ -90,13 +92,13 @@ class TrialTable:
             return
         table = pa.table(columns)
         del columns
-        tables.write_parquet_csv(table, self.parquet_uri, storage.join(self.study_uri, "trials.csv"))
+        tables.write_parquet_csv(table, self.parquet_uri, self.layout.trials_csv)
         if self.on_save:
             self.on_save(rows)  # the live rows: read them, do not keep or change them
 
 
 def read_rows(study_uri: str) -> list[dict]:
-    uri = storage.join(study_uri, "trials.parquet")
+    uri = StudyLayout(study_uri).trials_parquet
     if not storage.exists(uri):
         return []
     # Read on this thread: Python-owned bytes (see data.files.ParquetReader.read_row_group).

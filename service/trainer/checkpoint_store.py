@@ -27,15 +27,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from service.core import storage
 from service.core.ranking import rank
+from service.study.layout import CHECKPOINT_PREFIX, TrialLayout, checkpoint_name
 from service.trainer import checkpoint
 from service.trainer.checkpoint import TrialState
 
-PREFIX = "checkpoint_"
 PARTIAL = ".partial-"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"{PREFIX}{step:08d}"
 
 
 class CheckpointStore:
@@ -63,7 +59,7 @@ class CheckpointStore:
         return [posixpath.basename(p.rstrip("/")) for p in listed]
 
     def uri(self, step: int) -> str:
-        return storage.join(self.trial_uri, checkpoint_name(step))
+        return TrialLayout(self.trial_uri).checkpoint(step)
 
     def save(self, state: TrialState, metrics: dict) -> str:
         """Write `state` as the checkpoint of its step, then drop what retention no longer keeps."""
@@ -91,7 +87,7 @@ class CheckpointStore:
         """(URI, meta) of every selectable checkpoint, by step."""
         out = []
         for name in self._names():
-            if not name.startswith(PREFIX):
+            if not name.startswith(CHECKPOINT_PREFIX):
                 continue
             folder = posixpath.join(self.path, name)
             if not self.fs.exists(posixpath.join(folder, checkpoint.MANIFEST_FILE)):

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from service import workloads
-from service.core import storage
 from service.core.ranking import best_row, worst
 from service.data import files
 from service.data.files import list_files
@@ -242,7 +241,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     batches = (batch_source or local_batches(study.input.prefetch_batches, pin))(stream, step)
     timer = InputTimer()
     profiler = StepProfiler(
-        storage.join(plan.trial_uri, "profile", "rank0.trace.json"),
+        plan.layout.profile_trace,
         study.input.profile_steps,
         first_step=step + 1,
     )
