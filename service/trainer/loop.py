@@ -10,6 +10,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,20 +24,22 @@ from service.data.files import list_files
 from service.data.input_timer import InputTimer
 from service.data.loader import Batch, TrainStream, eval_batches, unused_columns
 from service.data.prefetch import prefetch_stream
-from service.data.sharding import row_ranges, train_shard
+from service.data.sharding import RowRange, row_ranges, train_shard
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
-from service.evaluation.sampling import bias_fields, is_full_eval, plan_sample, sample_of
+from service.evaluation.sampling import EvalSample, bias_fields, is_full_eval, plan_sample, sample_of
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.planning.trial import TrialPlan
+from service.study.spec import Training
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
 from service.trainer.metrics_log import MetricsLog
 from service.trainer.profiling import StepProfiler
 from service.trainer.rank0 import Rank0
 from service.trainer.topology import Topology, data_seed, init_seed
+from service.workloads.base import Workload
 
 
 class Reporter(Protocol):
@@ -157,13 +160,122 @@ def train(
 
 
 def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_source, checkpointer) -> dict:
-    device = device or torch.device("cpu")
+    """The playbook's order of operations: set up (1. model and optimizer, 2. data and eval
+    plan), 3. restore the latest checkpoint, then 4. train step by step, stopping at 5. each
+    eval point to evaluate, checkpoint and report."""
+    ctx = set_up(plan, topo, device or torch.device("cpu"))
+    progress = restore(ctx, reporter)
+    record_topology(ctx, progress.step)
+    pin = torch.device(ctx.device).type == "cuda"  # pinned host batches: non_blocking copies really are
+    source = batch_source or local_batches(plan.study.input.prefetch_batches, pin)
+    batches = source(ctx.stream, progress.step)
+    profiler = StepProfiler(
+        plan.layout.profile_trace,
+        plan.study.input.profile_steps,
+        first_step=progress.step + 1,
+    )
+    while progress.step < ctx.max_steps:
+        train_step(ctx, progress, batches, profiler)
+        if progress.step % plan.study.training.eval_every_steps and progress.step != ctx.max_steps:
+            continue
+        if not eval_point(ctx, progress, reporter, checkpointer):
+            break  # diverged
+    ctx.rank0.run(profiler.close)  # a trial that ended inside its profiled steps
+    return summary(ctx, progress)
+
+
+# Set-up: 1. model and optimizer, 2. data and eval plan.
+
+
+@dataclass
+class EvalPlan:
+    """What this rank evaluates at every eval point."""
+
+    val_ranges: list[RowRange]  # this rank's rows of the validation files
+    sample: EvalSample | None  # the fixed validation sample, or None: the full set every time
+    train_part: tuple[list[RowRange], torch.Tensor | None] | None  # see `train_eval_part`
+    batch_size: int  # this rank's eval batch
+
+
+@dataclass
+class TrialContext:
+    """One trial on this rank as `set_up` builds it: what every later part of the loop reads."""
+
+    plan: TrialPlan
+    topo: Topology
+    device: torch.device
+    workload: Workload
+    rank0: Rank0
+    max_steps: int
+    model: nn.Module
+    ddp: nn.Module  # the model, wrapped in DistributedDataParallel on more than one rank
+    optimizer: torch.optim.Optimizer
+    init_params: str  # the initial weights' sha256 (the topology record)
+    data_seed: int
+    opened_before: int  # data files this process had opened before set-up (the topology record)
+    stream: TrainStream
+    unused_columns: str
+    evals: EvalPlan
+    metrics_log: MetricsLog
+    tally: StepTally
+    timer: InputTimer
+    sync_debug: str | None
+
+    @property
+    def training(self) -> Training:
+        return self.plan.study.training
+
+
+def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
+    """1. The model and optimizer, seeded alike on every rank; 2. this rank's training stream
+    and eval plan; the loop's instruments (loss tally, input timer, metrics log)."""
     study, tr = plan.study, plan.study.training
     workload = workloads.get(study.workload)
-    rank0 = Rank0(topo)
-    max_steps = plan.max_train_steps or tr.max_train_steps
+    model, ddp, optimizer, init_params = build_model(plan, topo, workload, device)
+    # Per-rank randomness (dropout, augmentation: torch, numpy or `random`) from the data seed.
+    rng.seed_all(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
 
-    # 1. Model: the same init seed on every rank -> bit-identical initial weights.
+    # 2. Data: training files sharded over hosts, eval rows over ranks.
+    my_data_seed = data_seed(plan.trial_seed, topo.host_rank, topo.local_rank)
+    opened_before = len(files.OPENED)
+    train_files = list_files(study.data.train)
+    shard = train_shard(train_files, topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank)
+    stream = TrainStream(
+        workload,
+        shard,
+        tr.batch_size // topo.world_size,
+        my_data_seed,
+        study.input.shuffle_window_row_groups,
+        cache_bytes=study.input.cache_mb << 20,
+    )
+    unused = ",".join(unused_columns(workload, shard))
+    return TrialContext(
+        plan=plan,
+        topo=topo,
+        device=device,
+        workload=workload,
+        rank0=Rank0(topo),
+        max_steps=plan.max_train_steps or tr.max_train_steps,
+        model=model,
+        ddp=ddp,
+        optimizer=optimizer,
+        init_params=init_params,
+        data_seed=my_data_seed,
+        opened_before=opened_before,
+        stream=stream,
+        unused_columns=unused,
+        evals=plan_evals(plan, topo, train_files),
+        metrics_log=MetricsLog(plan.metrics_uri),  # its first write replaces the log whole
+        tally=StepTally(device),
+        timer=InputTimer(),
+        sync_debug=step_sync_debug(study.input, device),
+    )
+
+
+def build_model(plan: TrialPlan, topo: Topology, workload, device):
+    """1. Model: the same init seed on every rank -> bit-identical initial weights.
+    Returns (model, the model as trained, optimizer, sha256 of the initial weights)."""
+    tr = plan.study.training
     torch.manual_seed(init_seed(plan.trial_seed))
     model = workload.build_model(plan.hparams).to(device)
     if tr.ghost_batch_norm:  # BN statistics over virtual batches, not the per-worker batch
@@ -172,177 +284,25 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     init_params = topology_record.params_sha256(model)
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
     optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
-    # Per-rank randomness (dropout, augmentation: torch, numpy or `random`) from the data seed.
-    rng.seed_all(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
+    return model, ddp, optimizer, init_params
 
-    # 2. Data: training files sharded over hosts, eval rows over ranks.
-    local_batch = tr.batch_size // topo.world_size
-    my_data_seed = data_seed(plan.trial_seed, topo.host_rank, topo.local_rank)
-    opened_before = len(files.OPENED)
-    train_files = list_files(study.data.train)
-    shard = train_shard(train_files, topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank)
-    stream = TrainStream(
-        workload,
-        shard,
-        local_batch,
-        my_data_seed,
-        study.input.shuffle_window_row_groups,
-        cache_bytes=study.input.cache_mb << 20,
-    )
-    unused = ",".join(unused_columns(workload, shard))
-    val_files = list_files(study.data.validation)
+
+def plan_evals(plan: TrialPlan, topo: Topology, train_files) -> EvalPlan:
+    """This rank's validation rows, the fixed samples and the eval batch."""
+    tr = plan.study.training
+    val_files = list_files(plan.study.data.validation)
     val_ranges = row_ranges(val_files, topo.world_rank, topo.world_size)
     sample = plan_sample(sum(f.num_rows for f in val_files), tr, topo.world_rank, topo.world_size)
     train_part = train_eval_part(train_files, tr, topo)
-    eval_local_batch = tr.resolved_eval_batch_size // topo.world_size
+    evals = EvalPlan(val_ranges, sample, train_part, tr.resolved_eval_batch_size // topo.world_size)
     if tr.resolved_eval_batch_size < tr.batch_size:
-        rank0.run(
+        Rank0(topo).run(
             print,
             f"[{plan.trial_name}] warning: eval_batch_size {tr.eval_batch_size} < "
             f"batch_size {tr.batch_size} ({tr.eval_batch_size_reason})",
             flush=True,
         )
-    # 3. Resume from the latest checkpoint: weights, optimizer, step, RNG, history.
-    state = reporter.restore() or TrialState()
-    if state.model:
-        model.load_state_dict(state.model)
-        optimizer.load_state_dict(state.optimizer)
-        if len(state.rng_states) == topo.world_size:
-            rng.restore(state.rng_states[topo.world_rank])
-        else:  # the ranks' draws cannot continue as before: the run is no longer bitwise
-            rank0.run(
-                print,
-                f"[{plan.trial_name}] warning: resumed on {topo.world_size} ranks from a checkpoint "
-                f"of {len(state.rng_states)}; random draws restart from the data seeds",
-                flush=True,
-            )
-    step, history = state.step, list(state.history)
-    metrics_log = MetricsLog(plan.metrics_uri)  # its first write replaces the log whole
-    records = topology_record.gather(
-        topology_record.rank_record(
-            topo,
-            init_seed(plan.trial_seed),
-            my_data_seed,
-            init_params,
-            sorted(set(files.OPENED[opened_before:])),
-            stream.batch(0)["example_id"],
-            resumed_from_step=step,
-        )
-    )
-    rank0.run(topology_record.write, plan.topology_uri, plan.trial_name, study.scaling.num_hosts, records)
-
-    tally = StepTally(device)
-    sync_debug = step_sync_debug(study.input, device)
-    # steps_per_s: the clock of the first interval starts once the first batch is in hand
-    # (the loader's start-up is start-up, not step time: InputTimer leaves it out too).
-    interval_start: float | None = None
-    steps_in_interval = 0
-    pin = torch.device(device).type == "cuda"  # pinned host batches: non_blocking copies really are
-    batches = (batch_source or local_batches(study.input.prefetch_batches, pin))(stream, step)
-    timer = InputTimer()
-    profiler = StepProfiler(
-        plan.layout.profile_trace,
-        study.input.profile_steps,
-        first_step=step + 1,
-    )
-    while step < max_steps:
-        lr = plan.learning_rate(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        rank0.run(profiler.before_step, step)
-        timer.begin_step()
-        if sync_debug:
-            torch.cuda.set_sync_debug_mode(sync_debug)
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-        timer.got_batch()
-        if interval_start is None:
-            interval_start = time.perf_counter()
-        loss = workload.loss(workload.forward(ddp, batch), batch).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        step += 1
-        steps_in_interval += 1
-        tally.add(loss, step)  # on the device: no read back to the host inside the step
-        if sync_debug:
-            torch.cuda.set_sync_debug_mode("default")
-        timer.end_step()
-        rank0.run(profiler.after_step, step)
-        if step % tr.eval_every_steps and step != max_steps:
-            continue
-
-        # 4. Evaluation point: read the interval's loss tally (the one host sync of the
-        # interval), agree on divergence, sync BN stats, evaluate, checkpoint, report.
-        loss_sum, loss_count, first_bad_step = tally.take()
-        elapsed_s = time.perf_counter() - interval_start
-        bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
-        reduce_start = time.perf_counter()
-        loss_total, loss_n, bad, *input_s = all_reduce_sum(
-            [loss_sum, loss_count, bad_flag, *timer.take(), *stream.stats.take()], device
-        )
-        reduce_s = time.perf_counter() - reduce_start
-        row = {
-            "step": step,
-            "learning_rate": lr,
-            "train/loss": loss_total / loss_n if loss_n else math.nan,
-            "steps_per_s": steps_in_interval / max(elapsed_s, 1e-9),
-            **input_fields(input_s, unused),
-            "multihost/reduce_s": reduce_s,  # this rank's wait in the metric all-reduce
-        }
-        if bad:  # every rank agrees (a reduced value), so every rank takes this branch
-            diverged_at = int(all_reduce_min(first_bad_step, device))
-            row.update({"status": "diverged", "diverged_at_step": diverged_at, tr.metric: worst(tr.mode)})
-            rank0.run(
-                print, f"[{plan.trial_name}] diverged: non-finite loss at step {diverged_at}", flush=True
-            )
-            history.append(row)
-            rank0.run(metrics_log.write, history)
-            reporter.report(row, None)
-            break
-        sync_start = time.perf_counter()
-        sync_batchnorm_stats(model)
-        row["multihost/bn_sync_s"] = time.perf_counter() - sync_start
-        row.update(
-            run_evals(
-                plan, workload, model, topo, val_ranges, sample, eval_local_batch, step, max_steps, device
-            )
-        )
-        if train_part is not None:
-            row.update(train_eval_fields(workload, model, train_part, eval_local_batch, device))
-        history.append(row)
-        best = best_row(history, tr.metric, tr.mode)
-        report = {  # flat scalars only: per-class details stay in the metrics log
-            **{k: v for k, v in row.items() if not k.endswith("/per_class")},
-            "status": "running" if step < max_steps else "finished",
-            "best_step": best["step"],
-            "best_metric": best[tr.metric],
-        }
-        rng_states = gather_rng_states()
-        state = TrialState(
-            step, model.state_dict(), optimizer.state_dict(), rng_states, history, dict(plan.hparams)
-        )
-        if checkpointer is not None:
-            rank0.run(checkpointer.save, state, report)
-            rank0.run(metrics_log.write, history)
-            reporter.report(report, None)
-        else:
-            with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
-                saved = rank0.run(save_checkpoint, state, tmp, report)
-                rank0.run(metrics_log.write, history)
-                reporter.report(report, saved)
-        steps_in_interval = 0
-        interval_start = time.perf_counter()
-
-    rank0.run(profiler.close)  # a trial that ended inside its profiled steps
-    best = best_row(history, tr.metric, tr.mode)
-    return {
-        "trial_name": plan.trial_name,
-        "last_step": step,
-        "history": history,
-        "status": history[-1].get("status", "finished") if history else "finished",
-        "best_step": best["step"] if best else None,
-        "best_metric": best[tr.metric] if best else None,
-    }
+    return evals
 
 
 def train_eval_part(train_files, tr, topo: Topology) -> tuple[list, torch.Tensor | None] | None:
@@ -355,47 +315,245 @@ def train_eval_part(train_files, tr, topo: Topology) -> tuple[list, torch.Tensor
     return row_ranges(train_files, topo.world_rank, topo.world_size), sample.local_keep if sample else None
 
 
-def train_eval_fields(workload, model, part, batch_size, device) -> dict:
+# 3. Restore the latest checkpoint.
+
+
+@dataclass
+class Progress:
+    """Where the trial stands: its step, its eval rows so far, and the current eval interval."""
+
+    step: int
+    history: list[dict]
+    lr: float = math.nan  # the last step's learning rate
+    steps_in_interval: int = 0
+    # steps_per_s: the clock of the first interval starts once the first batch is in hand
+    # (the loader's start-up is start-up, not step time: InputTimer leaves it out too).
+    interval_start: float | None = None
+
+
+def restore(ctx: TrialContext, reporter: Reporter) -> Progress:
+    """Weights, optimizer, step (the schedule's and the data's position), RNG and history from
+    the latest checkpoint; a fresh start without one."""
+    topo = ctx.topo
+    state = reporter.restore() or TrialState()
+    if state.model:
+        ctx.model.load_state_dict(state.model)
+        ctx.optimizer.load_state_dict(state.optimizer)
+        if len(state.rng_states) == topo.world_size:
+            rng.restore(state.rng_states[topo.world_rank])
+        else:  # the ranks' draws cannot continue as before: the run is no longer bitwise
+            ctx.rank0.run(
+                print,
+                f"[{ctx.plan.trial_name}] warning: resumed on {topo.world_size} ranks from a checkpoint "
+                f"of {len(state.rng_states)}; random draws restart from the data seeds",
+                flush=True,
+            )
+    return Progress(state.step, list(state.history))
+
+
+def record_topology(ctx: TrialContext, step: int) -> None:
+    """Every rank's seeds, initial weights, files and first batch, in `<trial>/topology.json`."""
+    plan = ctx.plan
+    records = topology_record.gather(
+        topology_record.rank_record(
+            ctx.topo,
+            init_seed(plan.trial_seed),
+            ctx.data_seed,
+            ctx.init_params,
+            sorted(set(files.OPENED[ctx.opened_before :])),
+            ctx.stream.batch(0)["example_id"],
+            resumed_from_step=step,
+        )
+    )
+    ctx.rank0.run(
+        topology_record.write, plan.topology_uri, plan.trial_name, plan.study.scaling.num_hosts, records
+    )
+
+
+# 4. One training step.
+
+
+def train_step(
+    ctx: TrialContext, progress: Progress, batches: Iterator[Batch], profiler: StepProfiler
+) -> None:
+    """The schedule's learning rate, the next batch, forward, backward, update. The loss goes to
+    the interval's tally on the device: nothing is read back to the host inside the step."""
+    progress.lr = ctx.plan.learning_rate(progress.step)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = progress.lr
+    ctx.rank0.run(profiler.before_step, progress.step)
+    ctx.timer.begin_step()
+    if ctx.sync_debug:
+        torch.cuda.set_sync_debug_mode(ctx.sync_debug)
+    batch = {k: v.to(ctx.device, non_blocking=True) for k, v in next(batches).items()}
+    ctx.timer.got_batch()
+    if progress.interval_start is None:
+        progress.interval_start = time.perf_counter()
+    loss = ctx.workload.loss(ctx.workload.forward(ctx.ddp, batch), batch).mean()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    ctx.optimizer.step()
+    progress.step += 1
+    progress.steps_in_interval += 1
+    ctx.tally.add(loss, progress.step)
+    if ctx.sync_debug:
+        torch.cuda.set_sync_debug_mode("default")
+    ctx.timer.end_step()
+    ctx.rank0.run(profiler.after_step, progress.step)
+
+
+# 5. One eval point: BN stats sync, evaluations, checkpoint, report.
+
+
+def eval_point(ctx: TrialContext, progress: Progress, reporter: Reporter, checkpointer) -> bool:
+    """Read the interval's loss tally (the one host sync of the interval), agree on divergence,
+    sync BN stats, evaluate, checkpoint, report. False when the trial diverged (it stops)."""
+    row, first_bad_step = interval_row(ctx, progress)
+    if first_bad_step is not None:
+        report_divergence(ctx, progress, row, first_bad_step, reporter)
+        return False
+    sync_start = time.perf_counter()
+    sync_batchnorm_stats(ctx.model)
+    row["multihost/bn_sync_s"] = time.perf_counter() - sync_start
+    row.update(run_evals(ctx, progress.step))
+    if ctx.evals.train_part is not None:
+        row.update(train_eval_fields(ctx))
+    progress.history.append(row)
+    checkpoint_and_report(ctx, progress, row, reporter, checkpointer)
+    progress.steps_in_interval = 0
+    progress.interval_start = time.perf_counter()
+    return True
+
+
+def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | None]:
+    """The interval's row of training metrics, summed over ranks, and the first non-finite step
+    of this rank when any rank saw one (None when none did)."""
+    loss_sum, loss_count, first_bad_step = ctx.tally.take()
+    elapsed_s = time.perf_counter() - progress.interval_start
+    bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
+    reduce_start = time.perf_counter()
+    loss_total, loss_n, bad, *input_s = all_reduce_sum(
+        [loss_sum, loss_count, bad_flag, *ctx.timer.take(), *ctx.stream.stats.take()], ctx.device
+    )
+    reduce_s = time.perf_counter() - reduce_start
+    row = {
+        "step": progress.step,
+        "learning_rate": progress.lr,
+        "train/loss": loss_total / loss_n if loss_n else math.nan,
+        "steps_per_s": progress.steps_in_interval / max(elapsed_s, 1e-9),
+        **input_fields(input_s, ctx.unused_columns),
+        "multihost/reduce_s": reduce_s,  # this rank's wait in the metric all-reduce
+    }
+    return row, first_bad_step if bad else None
+
+
+def report_divergence(
+    ctx: TrialContext, progress: Progress, row: dict, first_bad_step: float, reporter
+) -> None:
+    """Every rank agrees (a reduced value), so every rank ends the trial here: the earliest bad
+    step over ranks, the worst metric, no checkpoint."""
+    tr = ctx.training
+    diverged_at = int(all_reduce_min(first_bad_step, ctx.device))
+    row.update({"status": "diverged", "diverged_at_step": diverged_at, tr.metric: worst(tr.mode)})
+    ctx.rank0.run(
+        print, f"[{ctx.plan.trial_name}] diverged: non-finite loss at step {diverged_at}", flush=True
+    )
+    progress.history.append(row)
+    ctx.rank0.run(ctx.metrics_log.write, progress.history)
+    reporter.report(row, None)
+
+
+def checkpoint_and_report(ctx: TrialContext, progress: Progress, row: dict, reporter, checkpointer) -> None:
+    """Rank 0 saves the checkpoint (through `checkpointer`, or to a temporary directory handed to
+    the reporter), then the metrics log; every rank reports."""
+    tr, step, history = ctx.training, progress.step, progress.history
+    best = best_row(history, tr.metric, tr.mode)
+    report = {  # flat scalars only: per-class details stay in the metrics log
+        **{k: v for k, v in row.items() if not k.endswith("/per_class")},
+        "status": "running" if step < ctx.max_steps else "finished",
+        "best_step": best["step"],
+        "best_metric": best[tr.metric],
+    }
+    rng_states = gather_rng_states()
+    state = TrialState(
+        step, ctx.model.state_dict(), ctx.optimizer.state_dict(), rng_states, history, dict(ctx.plan.hparams)
+    )
+    if checkpointer is not None:
+        ctx.rank0.run(checkpointer.save, state, report)
+        ctx.rank0.run(ctx.metrics_log.write, history)
+        reporter.report(report, None)
+    else:
+        with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+            saved = ctx.rank0.run(save_checkpoint, state, tmp, report)
+            ctx.rank0.run(ctx.metrics_log.write, history)
+            reporter.report(report, saved)
+
+
+def summary(ctx: TrialContext, progress: Progress) -> dict:
+    tr, history = ctx.training, progress.history
+    best = best_row(history, tr.metric, tr.mode)
+    return {
+        "trial_name": ctx.plan.trial_name,
+        "last_step": progress.step,
+        "history": history,
+        "status": history[-1].get("status", "finished") if history else "finished",
+        "best_step": best["step"] if best else None,
+        "best_metric": best[tr.metric] if best else None,
+    }
+
+
+def train_eval_fields(ctx: TrialContext) -> dict:
     """The training sample evaluated exactly like validation (eval mode, padded batches,
     weighted sums over all ranks): `train_eval/<metric>`."""
-    ranges, keep = part
-    result = evaluate(model, workload, eval_batches(workload, ranges, batch_size, keep), batch_size, device)
+    ranges, keep = ctx.evals.train_part
+    size = ctx.evals.batch_size
+    batches = eval_batches(ctx.workload, ranges, size, keep)
+    result = evaluate(ctx.model, ctx.workload, batches, size, ctx.device)
     return {f"train_eval/{k}": v for k, v in result.items() if k != "per_class"}
 
 
-def run_evals(plan, workload, model, topo, val_ranges, sample, batch_size, step, max_steps, device) -> dict:
+def run_evals(ctx: TrialContext, step: int) -> dict:
     """The evaluations of one eval point: the full validation set, or its fixed sample plus
     (at the end and every full_eval_every_steps) the full set and the sample's bias."""
-    tr, rank0 = plan.study.training, Rank0(topo)
-    metric_name = tr.metric.split("/", 1)[1]
-
-    def one(keep, split: str, prefix: str) -> tuple[dict, dict | None]:
-        log = PredictionLog(workload.metric_names, workload.num_classes)
-        val = evaluate(
-            model, workload, eval_batches(workload, val_ranges, batch_size, keep), batch_size, device, log
-        )
-        rows = log.gather()
-        rank0.run(write_predictions, plan.predictions_uri(split, step), rows, split, step)
-        return {f"{prefix}/{k}": v for k, v in val.items()}, rows
-
+    sample = ctx.evals.sample
     if sample is None:
-        return one(None, "validation", "validation")[0]
-    fields, _ = one(sample.local_keep, "validation-sample", "validation")
-    if is_full_eval(step, max_steps, tr):
-        full, rows = one(None, "validation", "validation_full")
+        return validation_pass(ctx, step, None, "validation", "validation")[0]
+    fields, _ = validation_pass(ctx, step, sample.local_keep, "validation-sample", "validation")
+    if is_full_eval(step, ctx.max_steps, ctx.training):
+        full, rows = validation_pass(ctx, step, None, "validation", "validation_full")
         fields.update(full)
         if rows is not None:  # rank 0
-            bias = bias_fields(rows, sample, metric_name)
-            fields.update({f"validation_full/{k}": v for k, v in bias.items()})
-            if bias["sample_biased"]:
-                print(
-                    f"[{plan.trial_name}] warning: the validation sample is biased at step {step}: "
-                    f"{tr.metric} sample - full = {bias['sample_gap']:+.4g}, more than sampling "
-                    f"noise explains (95% CI [{bias['sample_gap_ci_low']:+.4g}, "
-                    f"{bias['sample_gap_ci_high']:+.4g}])",
-                    flush=True,
-                )
+            fields.update(sample_bias_fields(ctx, rows, step))
     return fields
+
+
+def validation_pass(ctx: TrialContext, step: int, keep, split: str, prefix: str) -> tuple[dict, dict | None]:
+    """One pass over this rank's validation rows (`keep`: the sample's positions, or None for
+    all) with its predictions written by rank 0: (`<prefix>/<metric>` fields, the gathered
+    predictions on rank 0, else None)."""
+    workload, size = ctx.workload, ctx.evals.batch_size
+    log = PredictionLog(workload.metric_names, workload.num_classes)
+    batches = eval_batches(workload, ctx.evals.val_ranges, size, keep)
+    val = evaluate(ctx.model, workload, batches, size, ctx.device, log)
+    rows = log.gather()
+    ctx.rank0.run(write_predictions, ctx.plan.predictions_uri(split, step), rows, split, step)
+    return {f"{prefix}/{k}": v for k, v in val.items()}, rows
+
+
+def sample_bias_fields(ctx: TrialContext, rows: dict, step: int) -> dict:
+    """The validation sample's gap to the full set (`validation_full/sample_*`), with a warning
+    when it is larger than sampling noise explains."""
+    tr = ctx.training
+    bias = bias_fields(rows, ctx.evals.sample, tr.metric.split("/", 1)[1])
+    if bias["sample_biased"]:
+        print(
+            f"[{ctx.plan.trial_name}] warning: the validation sample is biased at step {step}: "
+            f"{tr.metric} sample - full = {bias['sample_gap']:+.4g}, more than sampling "
+            f"noise explains (95% CI [{bias['sample_gap_ci_low']:+.4g}, "
+            f"{bias['sample_gap_ci_high']:+.4g}])",
+            flush=True,
+        )
+    return {f"validation_full/{k}": v for k, v in bias.items()}
 
 
 TIMING_FIELDS = (
