@@ -405,7 +405,9 @@ def train_step(
 # 5. One eval point: BN stats sync, evaluations, checkpoint, report.
 
 
-def eval_point(ctx: TrialContext, progress: Progress, reporter: Reporter, checkpointer) -> bool:
+def eval_point(
+    ctx: TrialContext, progress: Progress, reporter: Reporter, checkpointer: Checkpointer | None
+) -> bool:
     """Read the interval's loss tally (the one host sync of the interval), agree on divergence,
     sync BN stats, evaluate, checkpoint, report. False when the trial diverged (it stops)."""
     row, first_bad_step = interval_row(ctx, progress)
@@ -448,7 +450,7 @@ def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | N
 
 
 def report_divergence(
-    ctx: TrialContext, progress: Progress, row: dict, first_bad_step: float, reporter
+    ctx: TrialContext, progress: Progress, row: dict, first_bad_step: float, reporter: Reporter
 ) -> None:
     """Every rank agrees (a reduced value), so every rank ends the trial here: the earliest bad
     step over ranks, the worst metric, no checkpoint."""
@@ -463,7 +465,9 @@ def report_divergence(
     reporter.report(row, None)
 
 
-def checkpoint_and_report(ctx: TrialContext, progress: Progress, row: dict, reporter, checkpointer) -> None:
+def checkpoint_and_report(
+    ctx: TrialContext, progress: Progress, row: dict, reporter: Reporter, checkpointer: Checkpointer | None
+) -> None:
     """Rank 0 saves the checkpoint (through `checkpointer`, or to a temporary directory handed to
     the reporter), then the metrics log; every rank reports."""
     tr, step, history = ctx.training, progress.step, progress.history
@@ -490,6 +494,7 @@ def checkpoint_and_report(ctx: TrialContext, progress: Progress, row: dict, repo
 
 
 def summary(ctx: TrialContext, progress: Progress) -> dict:
+    """What `train` returns: the trial's last step, its history, its status and its best row."""
     tr, history = ctx.training, progress.history
     best = best_row(history, tr.metric, tr.mode)
     return {
