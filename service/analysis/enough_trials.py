@@ -19,9 +19,9 @@ from service.analysis.verdicts import (
     OK,
     WARNING,
     Verdict,
-    _pct,
-    _trials,
-    _verdict,
+    make_verdict,
+    percent,
+    trial_count,
 )
 from service.core import ranking
 from service.core.formatting import fmt
@@ -64,55 +64,66 @@ def enough_trials(
     if tolerance is not None and not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0 (got {tolerance})")
     metrics = np.array([float(r["best_metric"]) for r in ranked_results(rows, mode)])
-    n = int(metrics.size)
-    if n == 0:
-        return _verdict(
+    if metrics.size == 0:
+        return make_verdict(
             "enough_trials",
             "study",
             WARNING,
             "No finished trial has a finite metric yet, so the study has no result to judge.",
             num_trials=0,
         )
+    facts = _bootstrap_facts(metrics, sign, num_bootstrap, seed, tolerance)
+    n, stats = facts["num_trials"], _bootstrap_sentence(facts)
+    if n < MIN_TRIALS:
+        message = (
+            f"Only {trial_count(n)} finished (fewer than {MIN_TRIALS}), too few to trust the best: {stats}."
+        )
+        return make_verdict("enough_trials", "study", WARNING, message, reason="few_trials", **facts)
+    if facts["spread"] > facts["allowed_spread"]:
+        message = f"The best result depends on which trials happened to be drawn: {stats}; run more trials."
+        return make_verdict("enough_trials", "study", WARNING, message, reason="wide_spread", **facts)
+    return make_verdict("enough_trials", "study", OK, f"Enough trials: {stats}.", reason="", **facts)
+
+
+def _bootstrap_facts(
+    metrics: np.ndarray, sign: int, num_bootstrap: int, seed: int, tolerance: float | None
+) -> dict[str, Any]:
+    """The numbers behind `enough_trials`, in the order its verdict's data lists them, from the
+    results' best metrics (best first)."""
     observed = float(metrics[0])
     boot = _bootstrap_best(sign * metrics, num_bootstrap, seed) * sign
     b10, b90 = (float(x) for x in np.percentile(boot, [10, 90]))
     r10, r90 = (float(x) for x in np.percentile(metrics, [10, 90]))
-    spread = b90 - b10
-    reach = float(np.mean(np.abs(boot - observed) <= (tolerance or 0.0)))
-    if tolerance is None:
-        allowed = RELATIVE_SPREAD * (r90 - r10)
-        why = "a quarter of the 10th-90th percentile range of all results"
-    else:
-        allowed = float(tolerance)
-        why = "the tolerance"
-    stats = (
-        f"over {num_bootstrap} bootstrap resamples of the {n} finished {'trial' if n == 1 else 'trials'}, "
-        f"the best result spans "
-        f"{fmt(b10)} to {fmt(b90)} (10th-90th percentile, spread {fmt(spread)} against "
-        f"{fmt(allowed)} allowed, {why}) and {_pct(reach)} of resamples reach the observed best "
-        f"{fmt(observed)}"
-    )
-    facts = dict(
-        num_trials=n,
+    return dict(
+        num_trials=int(metrics.size),
         num_bootstrap=num_bootstrap,
         seed=seed,
         tolerance=tolerance,
         observed_best=observed,
         bootstrap_p10=b10,
         bootstrap_p90=b90,
-        spread=spread,
+        spread=b90 - b10,
         results_p10=r10,
         results_p90=r90,
-        allowed_spread=allowed,
-        p_reach=reach,
+        allowed_spread=RELATIVE_SPREAD * (r90 - r10) if tolerance is None else float(tolerance),
+        p_reach=float(np.mean(np.abs(boot - observed) <= (tolerance or 0.0))),
     )
-    if n < MIN_TRIALS:
-        message = f"Only {_trials(n)} finished (fewer than {MIN_TRIALS}), too few to trust the best: {stats}."
-        return _verdict("enough_trials", "study", WARNING, message, reason="few_trials", **facts)
-    if spread > allowed:
-        message = f"The best result depends on which trials happened to be drawn: {stats}; run more trials."
-        return _verdict("enough_trials", "study", WARNING, message, reason="wide_spread", **facts)
-    return _verdict("enough_trials", "study", OK, f"Enough trials: {stats}.", reason="", **facts)
+
+
+def _bootstrap_sentence(facts: Mapping[str, Any]) -> str:
+    """What the bootstrap found, as the clause every `enough_trials` message ends with."""
+    n = facts["num_trials"]
+    if facts["tolerance"] is None:
+        why = "a quarter of the 10th-90th percentile range of all results"
+    else:
+        why = "the tolerance"
+    return (
+        f"over {facts['num_bootstrap']} bootstrap resamples of the {n} finished "
+        f"{'trial' if n == 1 else 'trials'}, the best result spans {fmt(facts['bootstrap_p10'])} to "
+        f"{fmt(facts['bootstrap_p90'])} (10th-90th percentile, spread {fmt(facts['spread'])} against "
+        f"{fmt(facts['allowed_spread'])} allowed, {why}) and {percent(facts['p_reach'])} of resamples "
+        f"reach the observed best {fmt(facts['observed_best'])}"
+    )
 
 
 def _bootstrap_best(scores: np.ndarray, num_bootstrap: int, seed: int) -> np.ndarray:

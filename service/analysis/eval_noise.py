@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.verdicts import OK, WARNING, Verdict, _trials, _verdict
+from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict, trial_count
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
 
@@ -84,7 +84,7 @@ def eval_noise(
         f"{nxt.get('trial_name')} ({fmt(float(nxt['best_metric']))})"
     )
     if se <= gap and gap > 0:
-        return _verdict("eval_noise", "study", OK, f"{measured}, no larger than {pair}.", **facts)
+        return make_verdict("eval_noise", "study", OK, f"{measured}, no larger than {pair}.", **facts)
     if gap > 0:
         needed = (
             f"about {math.ceil(sample_size * (se / gap) ** 2)} examples would bring the standard error "
@@ -92,11 +92,11 @@ def eval_noise(
         )
     else:
         needed = "a tie: no sample size separates them"
-    return _verdict(
+    return make_verdict(
         "eval_noise",
         "study",
         WARNING,
-        f"{measured}, larger than {pair}: {within} of the other {_trials(len(ranked) - 1)} are within "
+        f"{measured}, larger than {pair}: {within} of the other {trial_count(len(ranked) - 1)} are within "
         f"one standard error of the best, so the sample cannot rank them ({needed}). "
         "Raise training.validation_sample_size: big enough to beat the noise, small enough to "
         "evaluate often.",

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.analysis.verdicts import OK, WARNING, Verdict, _verdict
+from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict
 
 INPUT_ROW_FIELDS = ("input/exposed_fraction", "input/bound", "input/verdict")
 """The trial-table columns of this verdict."""
@@ -77,9 +77,11 @@ def input_bound(
     }
     share = f"{fraction:.0%} of its step time waiting for input"
     if fraction <= threshold:
-        return _verdict("input_bound", trial_name, OK, f"{trial_name} spends {share}.", cause="none", **facts)
+        return make_verdict(
+            "input_bound", trial_name, OK, f"{trial_name} spends {share}.", cause="none", **facts
+        )
     cause, remedy = likely_cause(totals, remote, prefetch_batches, input_workers)
-    return _verdict(
+    return make_verdict(
         "input_bound",
         trial_name,
         WARNING,
@@ -155,7 +157,7 @@ def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study
 def row_verdicts(rows: Iterable[Mapping[str, Any]]) -> list[Verdict]:
     """The input-bound warnings recorded in trial rows (for the round's verdicts)."""
     return [
-        _verdict("input_bound", str(r["trial_name"]), WARNING, str(r["input/verdict"]))
+        make_verdict("input_bound", str(r["trial_name"]), WARNING, str(r["input/verdict"]))
         for r in rows
         if r.get("input/bound")
     ]

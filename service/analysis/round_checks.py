@@ -23,9 +23,9 @@ from service.analysis.verdicts import (
     OK,
     WARNING,
     Verdict,
-    _pct,
-    _verdict,
     early_is_visible,
+    make_verdict,
+    percent,
     study_verdicts,
 )
 from service.core.ranking import ranked_results
@@ -133,11 +133,11 @@ def budget_spent(study: Study, round_name: str, rows: list[dict]) -> Verdict:
         share = budget.round_one_share * total
         said = (
             f"Round {round_name} spent {spent} of the budget's {total} training steps "
-            f"({_pct(spent / total)}); "
-            f"its share is {_pct(budget.round_one_share)} (budget.first_round_share)"
+            f"({percent(spent / total)}); "
+            f"its share is {percent(budget.round_one_share)} (budget.first_round_share)"
         )
         if spent > share:
-            return _verdict(
+            return make_verdict(
                 "budget",
                 round_name,
                 WARNING,
@@ -145,10 +145,10 @@ def budget_spent(study: Study, round_name: str, rows: list[dict]) -> Verdict:
                 "(compute-bound: round 1 short, round 2 longer).",
                 **facts,
             )
-        return _verdict("budget", round_name, OK, f"{said}; {total - spent} steps remain.", **facts)
+        return make_verdict("budget", round_name, OK, f"{said}; {total - spent} steps remain.", **facts)
     said = f"The rounds up to {round_name} spent {spent} of the budget's {total} training steps"
     severity = WARNING if spent > total else OK
-    return _verdict("budget", round_name, severity, f"{said} ({_pct(spent / total)}).", **facts)
+    return make_verdict("budget", round_name, severity, f"{said} ({percent(spent / total)}).", **facts)
 
 
 # ----------------------------------------------------------------------------- validate
@@ -172,7 +172,7 @@ def validate_findings(study: Study) -> list[tuple[str, str, str]]:
                     "warning",
                     "training.eval_every_steps",
                     f"round {rnd.name}: the first evaluation is at step {first} of {steps} "
-                    f"({_pct(first / steps)}), after the first 10% of training, so a best checkpoint "
+                    f"({percent(first / steps)}), after the first 10% of training, so a best checkpoint "
                     f"there cannot be seen (evaluate every {max(1, int(EARLY_FRACTION * steps))} "
                     "steps or fewer to see it)",
                 )
@@ -221,7 +221,7 @@ def _budget_findings(study: Study) -> list[tuple[str, str, str]]:
                 "warning",
                 "budget.first_round_share",
                 f"round {rounds[0].name} plans {first} training steps, more than its share "
-                f"{_pct(budget.round_one_share)} of budget.max_total_steps {budget.max_total_steps} "
+                f"{percent(budget.round_one_share)} of budget.max_total_steps {budget.max_total_steps} "
                 f"({math.floor(share)} steps)",
             )
         )

@@ -18,19 +18,19 @@ Which rows count is as in `service.analysis.verdicts`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from service.analysis.verdicts import (
     OK,
     WARNING,
     Verdict,
-    _numeric_choices,
-    _pct,
-    _trials,
-    _verdict,
     as_number,
+    make_verdict,
+    numeric_choices,
+    percent,
     range_position,
+    trial_count,
 )
 from service.core import ranking
 from service.core.formatting import fmt
@@ -96,80 +96,94 @@ def _who(p: _Placed, k: int) -> str:
     return f"{p.trial_name} (number {p.rank} of the {k} best trials)"
 
 
-def _range_boundary(name: str, hp: HParam, top: list[Mapping[str, Any]], margin: float) -> list[Verdict]:
+def _place(
+    name: str, top: list[Mapping[str, Any]], position_of: Callable[[float], float | None]
+) -> list[_Placed]:
+    """The top trials that have a numeric value of `name` with a position (`position_of`)."""
     placed = []
     for rank, row in enumerate(top, 1):
         value = as_number(row.get(f"hp/{name}"))
-        pos = None if value is None else range_position(value, hp)
-        if pos is not None:
-            placed.append(_Placed(rank, str(row.get("trial_name")), value, pos))
+        position = None if value is None else position_of(value)
+        if position is not None:
+            placed.append(_Placed(rank, str(row.get("trial_name")), value, position))
+    return placed
+
+
+def _at_bound(
+    name: str, near: _Placed, side: str, value: Any, bound: Any, message: str, **data: Any
+) -> Verdict:
+    """The warning that trial `near` (at `value`) sits at the `side` bound of `name`'s search space."""
+    return make_verdict(
+        "boundary",
+        name,
+        WARNING,
+        message,
+        side=side,
+        trial_name=near.trial_name,
+        rank=near.rank,
+        value=value,
+        bound=bound,
+        **data,
+    )
+
+
+def _inside(name: str, placed: list[_Placed], message: str, **data: Any) -> Verdict:
+    """The ok verdict that the `placed` trials sit away from both bounds of `name`."""
+    return make_verdict(
+        "boundary", name, OK, message, trial_names=tuple(p.trial_name for p in placed), **data
+    )
+
+
+def _range_boundary(name: str, hp: HParam, top: list[Mapping[str, Any]], margin: float) -> list[Verdict]:
+    placed = _place(name, top, lambda value: range_position(value, hp))
     if not placed:
         return []
-    lo, hi = float(hp.min), float(hp.max)
     scale = "log-scale" if hp.scale == "log" else "linear"
-    span = f"the {scale} range [{fmt(lo)}, {fmt(hi)}]"
-    out = []
+    span = f"the {scale} range [{fmt(float(hp.min))}, {fmt(float(hp.max))}]"
+    near_bounds = _range_near_bounds(name, hp, placed, len(top), span, margin)
+    if near_bounds:
+        return near_bounds
+    if len(placed) == 1:
+        (p,) = placed
+        where = f"{name} of the best trial {p.trial_name} is {fmt(p.value)}, at {percent(p.position)}"
+    else:
+        first, last = min(p.position for p in placed), max(p.position for p in placed)
+        where = f"{name} of the {len(placed)} best trials lies between {percent(first)} and {percent(last)}"
+    message = f"{where} of {span}, more than {percent(margin)} away from both bounds."
+    positions = tuple(p.position for p in placed)
+    return [_inside(name, placed, message, positions=positions, scale=hp.scale, margin=margin)]
+
+
+def _range_near_bounds(
+    name: str, hp: HParam, placed: list[_Placed], k: int, span: str, margin: float
+) -> list[Verdict]:
+    """A warning for each bound of the range that one of the `placed` trials is within `margin`
+    of, naming the one closest to it."""
     lower = [p for p in placed if p.position <= margin]
     upper = [p for p in placed if p.position >= 1 - margin]
+    out = []
     for side, near, bound, word in (
-        ("lower", min(lower, key=lambda p: (p.position, p.rank), default=None), lo, "below"),
-        ("upper", max(upper, key=lambda p: (p.position, -p.rank), default=None), hi, "above"),
+        ("lower", min(lower, key=lambda p: (p.position, p.rank), default=None), float(hp.min), "below"),
+        ("upper", max(upper, key=lambda p: (p.position, -p.rank), default=None), float(hp.max), "above"),
     ):
         if near is None:
             continue
-        out.append(
-            _verdict(
-                "boundary",
-                name,
-                WARNING,
-                f"{name} of {_who(near, len(top))} is {fmt(near.value)}, at {_pct(near.position)} of {span} "
-                f"(within {_pct(margin)} of the {side} bound {fmt(bound)}): "
-                f"widen the search space {word} {fmt(bound)}.",
-                side=side,
-                trial_name=near.trial_name,
-                rank=near.rank,
-                value=near.value,
-                bound=bound,
-                position=near.position,
-                scale=hp.scale,
-                margin=margin,
-            )
+        message = (
+            f"{name} of {_who(near, k)} is {fmt(near.value)}, at {percent(near.position)} of {span} "
+            f"(within {percent(margin)} of the {side} bound {fmt(bound)}): "
+            f"widen the search space {word} {fmt(bound)}."
         )
-    if out:
-        return out
-    if len(placed) == 1:
-        (p,) = placed
-        where = f"{name} of the best trial {p.trial_name} is {fmt(p.value)}, at {_pct(p.position)} of {span}"
-    else:
-        first, last = min(p.position for p in placed), max(p.position for p in placed)
-        where = (
-            f"{name} of the {len(placed)} best trials lies between {_pct(first)} and {_pct(last)} of {span}"
-        )
-    return [
-        _verdict(
-            "boundary",
-            name,
-            OK,
-            f"{where}, more than {_pct(margin)} away from both bounds.",
-            trial_names=tuple(p.trial_name for p in placed),
-            positions=tuple(p.position for p in placed),
-            scale=hp.scale,
-            margin=margin,
-        )
-    ]
+        facts = dict(position=near.position, scale=hp.scale, margin=margin)
+        out.append(_at_bound(name, near, side, near.value, bound, message, **facts))
+    return out
 
 
 def _choice_boundary(name: str, hp: HParam, top: list[Mapping[str, Any]]) -> list[Verdict]:
-    ordered = _numeric_choices(hp)
+    ordered = numeric_choices(hp)
     if ordered is None or len(ordered) < 2:
         return []
     smallest, largest = float(ordered[0]), float(ordered[-1])
-    placed = []
-    for rank, row in enumerate(top, 1):
-        value = as_number(row.get(f"hp/{name}"))
-        if value is not None:
-            position = (value - smallest) / (largest - smallest)
-            placed.append(_Placed(rank, str(row.get("trial_name")), value, position))
+    placed = _place(name, top, lambda value: (value - smallest) / (largest - smallest))
     if not placed:
         return []
     choices = "[" + ", ".join(fmt(v) for v in ordered) + "]"
@@ -182,21 +196,11 @@ def _choice_boundary(name: str, hp: HParam, top: list[Mapping[str, Any]]) -> lis
         if not hits:
             continue
         near = hits[0]  # the best-ranked trial at that edge
-        out.append(
-            _verdict(
-                "boundary",
-                name,
-                WARNING,
-                f"{name} of {_who(near, len(top))} is {fmt(edge)}, the {extreme} of the choices {choices}: "
-                f"widen the search space {word} {fmt(edge)}.",
-                side=side,
-                trial_name=near.trial_name,
-                rank=near.rank,
-                value=edge,
-                bound=edge,
-                choices=tuple(ordered),
-            )
+        message = (
+            f"{name} of {_who(near, len(top))} is {fmt(edge)}, the {extreme} of the choices {choices}: "
+            f"widen the search space {word} {fmt(edge)}."
         )
+        out.append(_at_bound(name, near, side, edge, edge, message, choices=tuple(ordered)))
     if out:
         return out
     if len(placed) == 1:
@@ -205,17 +209,9 @@ def _choice_boundary(name: str, hp: HParam, top: list[Mapping[str, Any]]) -> lis
         where = f"{name} of the {len(placed)} best trials is one of " + ", ".join(
             fmt(p.value) for p in placed
         )
-    return [
-        _verdict(
-            "boundary",
-            name,
-            OK,
-            f"{where}, inside the choices {choices} (neither the smallest nor the largest).",
-            trial_names=tuple(p.trial_name for p in placed),
-            values=tuple(p.value for p in placed),
-            choices=tuple(ordered),
-        )
-    ]
+    message = f"{where}, inside the choices {choices} (neither the smallest nor the largest)."
+    values = tuple(p.value for p in placed)
+    return [_inside(name, placed, message, values=values, choices=tuple(ordered))]
 
 
 # ----------------------------------------------------------------------------- infeasible region
@@ -242,82 +238,86 @@ def infeasible_region(rows: Iterable[Mapping[str, Any]], space: Mapping[str, HPa
     out: list[Verdict] = []
     all_rows = list(rows)
     for name, hp in space.items():
-        if not hp.searched or (hp.type == "choice" and _numeric_choices(hp) is None):
+        if not hp.searched or (hp.type == "choice" and numeric_choices(hp) is None):
             continue
-        diverged: list[float] = []
-        feasible: list[float] = []
-        for row in all_rows:
-            value = as_number(row.get(f"hp/{name}"))
-            if value is None:
-                continue
-            if row.get("status") == TrialStatus.DIVERGED:
-                diverged.append(value)
-            elif row.get("status") == TrialStatus.FINISHED and as_number(row.get("best_metric")) is not None:
-                feasible.append(value)
-        if not diverged and not feasible:
-            continue
-        if not feasible:
-            out.append(
-                _verdict(
-                    "infeasible_region",
-                    name,
-                    WARNING,
-                    f"All {_trials(len(diverged))} with a value of {name} diverged, "
-                    f"from {fmt(min(diverged))} to {fmt(max(diverged))}: no feasible region was found.",
-                    side="all",
-                    num_diverged=len(diverged),
-                    num_trials=len(diverged),
-                )
-            )
-            continue
-        found = []
-        top_ok, bottom_ok = max(feasible), min(feasible)
-        above = [v for v in diverged if v > top_ok]
-        if above:
-            threshold = min(above)
-            found.append(
-                _verdict(
-                    "infeasible_region",
-                    name,
-                    WARNING,
-                    f"Every trial with {name} >= {fmt(threshold)} diverged ({_trials(len(above))}); "
-                    f"the feasible region ends below it (the largest {name} that trained without "
-                    f"diverging is {fmt(top_ok)}).",
-                    side="upper",
-                    threshold=threshold,
-                    num_diverged=len(above),
-                    last_feasible=top_ok,
-                )
-            )
-        below = [v for v in diverged if v < bottom_ok]
-        if below:
-            threshold = max(below)
-            found.append(
-                _verdict(
-                    "infeasible_region",
-                    name,
-                    WARNING,
-                    f"Every trial with {name} <= {fmt(threshold)} diverged ({_trials(len(below))}); "
-                    f"the feasible region ends above it (the smallest {name} that trained without "
-                    f"diverging is {fmt(bottom_ok)}).",
-                    side="lower",
-                    threshold=threshold,
-                    num_diverged=len(below),
-                    last_feasible=bottom_ok,
-                )
-            )
-        if found:
-            out.extend(found)
-            continue
-        total = len(diverged) + len(feasible)
-        if diverged:
-            message = (
-                f"{len(diverged)} of {total} trials diverged, but there is no value of {name} "
-                "beyond which every trial diverged."
-            )
-        else:
-            message = f"None of the {total} trials diverged along {name}."
-        out.append(
-            _verdict("infeasible_region", name, OK, message, num_diverged=len(diverged), num_trials=total)
-        )
+        diverged, feasible = _diverged_and_feasible(all_rows, name)
+        if diverged or feasible:
+            out.extend(_feasible_region(name, diverged, feasible))
     return out
+
+
+def _diverged_and_feasible(rows: list[Mapping[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """The values of `name` of the DIVERGED rows, and of the results."""
+    diverged: list[float] = []
+    feasible: list[float] = []
+    for row in rows:
+        value = as_number(row.get(f"hp/{name}"))
+        if value is None:
+            continue
+        if row.get("status") == TrialStatus.DIVERGED:
+            diverged.append(value)
+        elif row.get("status") == TrialStatus.FINISHED and as_number(row.get("best_metric")) is not None:
+            feasible.append(value)
+    return diverged, feasible
+
+
+def _feasible_region(name: str, diverged: list[float], feasible: list[float]) -> list[Verdict]:
+    """The `infeasible_region` verdicts of one dimension, from its diverged and feasible values."""
+    if not feasible:
+        message = (
+            f"All {trial_count(len(diverged))} with a value of {name} diverged, "
+            f"from {fmt(min(diverged))} to {fmt(max(diverged))}: no feasible region was found."
+        )
+        return [
+            make_verdict(
+                "infeasible_region",
+                name,
+                WARNING,
+                message,
+                side="all",
+                num_diverged=len(diverged),
+                num_trials=len(diverged),
+            )
+        ]
+    top_ok, bottom_ok = max(feasible), min(feasible)
+    above = [v for v in diverged if v > top_ok]
+    below = [v for v in diverged if v < bottom_ok]
+    found = []
+    if above:
+        found.append(_threshold(name, "upper", above, top_ok))
+    if below:
+        found.append(_threshold(name, "lower", below, bottom_ok))
+    if found:
+        return found
+    total = len(diverged) + len(feasible)
+    if diverged:
+        message = (
+            f"{len(diverged)} of {total} trials diverged, but there is no value of {name} "
+            "beyond which every trial diverged."
+        )
+    else:
+        message = f"None of the {total} trials diverged along {name}."
+    return [
+        make_verdict("infeasible_region", name, OK, message, num_diverged=len(diverged), num_trials=total)
+    ]
+
+
+def _threshold(name: str, side: str, beyond: list[float], last_feasible: float) -> Verdict:
+    """The warning that every trial `beyond` the feasible values on `side` (upper or lower)
+    diverged: the threshold is the diverged value closest to `last_feasible`."""
+    if side == "upper":
+        threshold, at_or, ends, extreme = min(beyond), ">=", "below", "largest"
+    else:
+        threshold, at_or, ends, extreme = max(beyond), "<=", "above", "smallest"
+    return make_verdict(
+        "infeasible_region",
+        name,
+        WARNING,
+        f"Every trial with {name} {at_or} {fmt(threshold)} diverged ({trial_count(len(beyond))}); "
+        f"the feasible region ends {ends} it (the {extreme} {name} that trained without "
+        f"diverging is {fmt(last_feasible)}).",
+        side=side,
+        threshold=threshold,
+        num_diverged=len(beyond),
+        last_feasible=last_feasible,
+    )

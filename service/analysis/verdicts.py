@@ -80,7 +80,8 @@ class Verdict:
         return self.severity == WARNING
 
 
-def _verdict(kind: str, subject: str, severity: Severity, message: str, **data: Any) -> Verdict:
+def make_verdict(kind: str, subject: str, severity: Severity, message: str, **data: Any) -> Verdict:
+    """A `Verdict` whose `data` are the keyword arguments, in their order."""
     return Verdict(kind, subject, severity, message, tuple(data.items()))
 
 
@@ -110,7 +111,7 @@ def range_position(value: float, hp: HParam) -> float | None:
     return (value - lo) / (hi - lo)
 
 
-def _numeric_choices(hp: HParam) -> list[Any] | None:
+def numeric_choices(hp: HParam) -> list[Any] | None:
     """The distinct values of a choice dimension in increasing order, or None if any is not a
     number (strings and booleans have no order to widen along)."""
     values = hp.values or ()
@@ -119,11 +120,13 @@ def _numeric_choices(hp: HParam) -> list[Any] | None:
     return sorted(set(values), key=float)
 
 
-def _trials(n: int) -> str:
+def trial_count(n: int) -> str:
+    """`1 trial`, `3 trials`: `n` trials in words for a verdict's message."""
     return f"{n} trial" if n == 1 else f"{n} trials"
 
 
-def _pct(x: float) -> str:
+def percent(x: float) -> str:
+    """A fraction as a percentage with three significant digits (`0.125` -> `12.5%`)."""
     return f"{x * 100:.3g}%"
 
 
@@ -151,56 +154,51 @@ def best_step_position(
     if not 0 <= best_step <= max_train_steps:
         raise ValueError(f"best_step must be in [0, {max_train_steps}] (got {best_step})")
     step, total = _exact(best_step), _exact(max_train_steps)
+    position, fraction = _position(step, total), float(step / total)
     where = f"step {fmt(best_step)} of {fmt(max_train_steps)}"
-    facts = dict(
+    severity, message = _position_message(trial_name, where, position, fraction, compute_bound)
+    return make_verdict(
+        "best_step_position",
+        trial_name,
+        severity,
+        message,
+        position=position,
         trial_name=trial_name,
         best_step=best_step,
         max_train_steps=max_train_steps,
-        fraction=float(step / total),
+        fraction=fraction,
     )
-    if step <= EARLY_FRACTION * total:
-        return _verdict(
-            "best_step_position",
-            trial_name,
-            WARNING,
+
+
+def _position_message(
+    trial_name: str, where: str, position: str, fraction: float, compute_bound: bool
+) -> tuple[Severity, str]:
+    """The severity and sentence of `best_step_position` for a best step at `where`."""
+    best = f"The best checkpoint of {trial_name} is at {where}"
+    if position == "early":
+        return WARNING, (
             f"max_train_steps is probably too high (the best checkpoint of {trial_name} is at {where}, "
-            "in the first 10% of training).",
-            position="early",
-            **facts,
+            "in the first 10% of training)."
         )
-    if step > LATE_FRACTION * total and compute_bound:
-        return _verdict(
-            "best_step_position",
-            trial_name,
-            OK,
-            f"The best checkpoint of {trial_name} is at {where}, in the last 25% of training, as expected "
-            "when compute-bound: a later, longer round is where training longer pays.",
-            position="late",
-            **facts,
+    if position == "late" and compute_bound:
+        return OK, (
+            f"{best}, in the last 25% of training, as expected when compute-bound: a later, longer round "
+            "is where training longer pays."
         )
-    if step > LATE_FRACTION * total:
-        return _verdict(
-            "best_step_position",
-            trial_name,
-            WARNING,
-            f"The best checkpoint of {trial_name} is at {where}, in the last 25% of training: "
-            "train longer and retune the decay.",
-            position="late",
-            **facts,
-        )
-    return _verdict(
-        "best_step_position",
-        trial_name,
-        OK,
-        f"The best checkpoint of {trial_name} is at {where} ({_pct(facts['fraction'])} of training), "
-        "neither in the first 10% nor in the last 25%.",
-        position="middle",
-        **facts,
-    )
+    if position == "late":
+        return WARNING, f"{best}, in the last 25% of training: train longer and retune the decay."
+    return OK, f"{best} ({percent(fraction)} of training), neither in the first 10% nor in the last 25%."
 
 
 def _exact(x: float) -> Fraction:
     return Fraction(int(x)) if isinstance(x, numbers.Integral) else Fraction(float(x))
+
+
+def _position(step: Fraction, total: Fraction) -> str:
+    """`early` (first 10% of training), `late` (last 25%) or `middle`, in exact arithmetic."""
+    if step <= EARLY_FRACTION * total:
+        return "early"
+    return "late" if step > LATE_FRACTION * total else "middle"
 
 
 def _where(step: Any, total: Any) -> str | None:
@@ -208,9 +206,7 @@ def _where(step: Any, total: Any) -> str | None:
     step, total = as_number(step), as_number(total)
     if step is None or total is None or total <= 0:
         return None
-    if _exact(step) <= EARLY_FRACTION * _exact(total):
-        return "early"
-    return "late" if _exact(step) > LATE_FRACTION * _exact(total) else "middle"
+    return _position(_exact(step), _exact(total))
 
 
 def early_is_visible(eval_every_steps: int, max_train_steps: int) -> bool:
@@ -243,43 +239,22 @@ def best_step_distribution(
     ranked = [r for r in ranked_results(rows, mode) if _where(r.get("best_step"), r.get("max_train_steps"))]
     if not ranked:
         return None
-    top = ranked[: math.ceil(len(ranked) / 4)]
-    counts = {}
-    for group, members in (("all", ranked), ("top", top)):
-        places = [_where(r["best_step"], r["max_train_steps"]) for r in members]
-        counts[group] = (len(members), places.count("early"), places.count("late"))
-    (n, early, late), (k, top_early, top_late) = counts["all"], counts["top"]
-    text = (
-        f"Best checkpoints of the {_trials(n)}: {early} ({_pct(early / n)}) in the first 10% of training, "
-        f"{late} ({_pct(late / n)}) in the last 25%; of the top quarter ({_trials(k)} by metric): "
-        f"{top_early} early, {top_late} late."
+    (n, early, late), (k, top_early, top_late) = (
+        _places(ranked),
+        _places(ranked[: math.ceil(len(ranked) / 4)]),
     )
-    blind = None
-    if eval_every_steps is not None:
-        blind = next(
-            (r for r in ranked if not early_is_visible(eval_every_steps, int(r["max_train_steps"]))), None
-        )
+    text = (
+        f"Best checkpoints of the {trial_count(n)}: {early} ({percent(early / n)}) in the first 10% of "
+        f"training, {late} ({percent(late / n)}) in the last 25%; of the top quarter ({trial_count(k)} by "
+        f"metric): {top_early} early, {top_late} late."
+    )
+    blind = _first_blind(ranked, eval_every_steps)
     if blind is not None:
-        total = int(blind["max_train_steps"])
-        first = min(eval_every_steps, total)
-        text += (
-            f" The first evaluation is at step {first} of {total} ({_pct(first / total)}), after the first "
-            "10%, so a best step there cannot be seen: evaluate every "
-            f"{max(1, int(EARLY_FRACTION * total))} steps or fewer to see it."
-        )
+        text += _blind_note(eval_every_steps, int(blind["max_train_steps"]))
     most_early = early * 2 > n or top_early * 2 > k
     most_late = late * 2 > n or top_late * 2 > k
-    severity, advice = OK, ""
-    if most_early:
-        severity, advice = WARNING, " Most are early: max_train_steps is probably too high."
-    elif most_late and compute_bound:
-        advice = (
-            " Most are late, as expected when compute-bound: the budget sets the length, and a later, "
-            "longer round is where training longer pays."
-        )
-    elif most_late:
-        severity, advice = WARNING, " Most are late: train longer and retune the decay."
-    return _verdict(
+    severity, advice = _distribution_advice(most_early, most_late, compute_bound)
+    return make_verdict(
         "best_step_distribution",
         "study",
         severity,
@@ -295,6 +270,43 @@ def best_step_distribution(
         early_visible=blind is None,
         compute_bound=compute_bound,
     )
+
+
+def _places(rows: list[Mapping[str, Any]]) -> tuple[int, int, int]:
+    """How many `rows`, and how many of them have their best step early and late."""
+    places = [_where(r["best_step"], r["max_train_steps"]) for r in rows]
+    return len(rows), places.count("early"), places.count("late")
+
+
+def _first_blind(rows: list[Mapping[str, Any]], eval_every_steps: int | None) -> Mapping[str, Any] | None:
+    """The first of `rows` whose first evaluation comes too late to see an early best step."""
+    if eval_every_steps is None:
+        return None
+    return next((r for r in rows if not early_is_visible(eval_every_steps, int(r["max_train_steps"]))), None)
+
+
+def _blind_note(eval_every_steps: int, total: int) -> str:
+    """The sentence that says an early best step cannot be seen, and how to see it."""
+    first = min(eval_every_steps, total)
+    return (
+        f" The first evaluation is at step {first} of {total} ({percent(first / total)}), after the first "
+        "10%, so a best step there cannot be seen: evaluate every "
+        f"{max(1, int(EARLY_FRACTION * total))} steps or fewer to see it."
+    )
+
+
+def _distribution_advice(most_early: bool, most_late: bool, compute_bound: bool) -> tuple[Severity, str]:
+    """The severity of `best_step_distribution` and the advice that ends its message."""
+    if most_early:
+        return WARNING, " Most are early: max_train_steps is probably too high."
+    if most_late and compute_bound:
+        return OK, (
+            " Most are late, as expected when compute-bound: the budget sets the length, and a later, "
+            "longer round is where training longer pays."
+        )
+    if most_late:
+        return WARNING, " Most are late: train longer and retune the decay."
+    return OK, ""
 
 
 # ----------------------------------------------------------------------------- all
