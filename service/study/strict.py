@@ -65,41 +65,19 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def _where(path: str) -> str:
+    """How an error names the place at `path`: the study file itself at the top."""
+    return path or "<study>"
+
+
 def build(tp, raw, path: str = ""):
     """Convert `raw` (parsed YAML) to type `tp`, raising SpecError with `path` on a mismatch."""
-    where = path or "<study>"
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        if not isinstance(raw, dict):
-            raise SpecError(f"{where}: must be a mapping (got {kind(raw)})")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        for key in raw:
-            if key not in fields:
-                known = ", ".join(fields)
-                raise SpecError(f"{_join(path, str(key))}: unknown key (known: {known})")
-        kwargs = {}
-        for name, f in fields.items():
-            if name in raw:
-                kwargs[name] = build(hints[name], raw[name], _join(path, name))
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise SpecError(f"{_join(path, name)}: required")
-        obj = tp(**kwargs)
-        for sub, msg in obj.errors() if hasattr(obj, "errors") else ():
-            raise SpecError(f"{_join(path, sub)}: {msg}")
-        return obj
+        return _build_dataclass(tp, raw, path)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if raw is None and type(None) in args:
-            return None
-        if tp == Scalar or set(args) >= {str, int, float, bool}:
-            if isinstance(raw, float) and not math.isfinite(raw):
-                raise SpecError(f"{where}: must be finite (got {raw})")
-            if isinstance(raw, str | int | float | bool):
-                return raw
-            raise SpecError(f"{where}: must be a scalar (got {kind(raw)})")
-        (inner,) = [a for a in args if a is not type(None)]
-        return build(inner, raw, path)
+        return _build_union(tp, raw, path)
+    where = _where(path)
     if origin is Literal:
         options = typing.get_args(tp)
         if raw not in options:
@@ -111,15 +89,64 @@ def build(tp, raw, path: str = ""):
         inner = typing.get_args(tp)[0]
         return tuple(build(inner, x, f"{path}[{i}]") for i, x in enumerate(raw))
     if origin is dict:
-        if not isinstance(raw, dict):
-            raise SpecError(f"{where}: must be a mapping (got {kind(raw)})")
-        inner = typing.get_args(tp)[1]
-        out = {}
-        for k, v in raw.items():
-            if not isinstance(k, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
-                raise SpecError(f"{_join(path, str(k))}: not a valid hyperparameter name")
-            out[k] = build(inner, v, _join(path, k))
-        return out
+        return _build_dict(tp, raw, path)
+    return _build_scalar(tp, raw, where)
+
+
+def _build_dataclass(tp, raw, path: str):
+    """A dataclass from a mapping: no unknown key, every field without a default given, then the
+    dataclass's own `errors()` checks."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{_where(path)}: must be a mapping (got {kind(raw)})")
+    hints = typing.get_type_hints(tp)
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    for key in raw:
+        if key not in fields:
+            known = ", ".join(fields)
+            raise SpecError(f"{_join(path, str(key))}: unknown key (known: {known})")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in raw:
+            kwargs[name] = build(hints[name], raw[name], _join(path, name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SpecError(f"{_join(path, name)}: required")
+    obj = tp(**kwargs)
+    for sub, msg in obj.errors() if hasattr(obj, "errors") else ():
+        raise SpecError(f"{_join(path, sub)}: {msg}")
+    return obj
+
+
+def _build_union(tp, raw, path: str):
+    """An optional value (`X | None`), or a `Scalar`: any finite string, number or boolean."""
+    args = typing.get_args(tp)
+    if raw is None and type(None) in args:
+        return None
+    if tp == Scalar or set(args) >= {str, int, float, bool}:
+        where = _where(path)
+        if isinstance(raw, float) and not math.isfinite(raw):
+            raise SpecError(f"{where}: must be finite (got {raw})")
+        if isinstance(raw, str | int | float | bool):
+            return raw
+        raise SpecError(f"{where}: must be a scalar (got {kind(raw)})")
+    (inner,) = [a for a in args if a is not type(None)]
+    return build(inner, raw, path)
+
+
+def _build_dict(tp, raw, path: str):
+    """A mapping of hyperparameter names (identifiers) to values of the dict's value type."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{_where(path)}: must be a mapping (got {kind(raw)})")
+    inner = typing.get_args(tp)[1]
+    out = {}
+    for k, v in raw.items():
+        if not isinstance(k, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+            raise SpecError(f"{_join(path, str(k))}: not a valid hyperparameter name")
+        out[k] = build(inner, v, _join(path, k))
+    return out
+
+
+def _build_scalar(tp, raw, where: str):
+    """A bool, int, float (finite) or str; an int is a number, a bool is neither."""
     if tp is bool:
         if not isinstance(raw, bool):
             raise SpecError(f"{where}: must be true or false (got {kind(raw)})")
