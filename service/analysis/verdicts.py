@@ -6,9 +6,10 @@ prints the report, writes the log or decides about the next round reads them, in
 A verdict carries one plain English sentence with the numbers (`message`) and the same numbers
 as structured `data`.
 
-This module holds the `Verdict` type, the helpers the checks share (which rows count, ranking,
-formatting, range positions), the `best_step_position` check and `study_verdicts`, which runs
-every check. The other checks live one practice per module:
+This module holds the `Verdict` type, the public helpers the checks share (`make_verdict`,
+`as_number`, `range_position`, `numeric_choices`, and `trial_count` and `percent` for the
+messages), the `best_step_position` check and `study_verdicts`, which runs every check.
+The other checks live one practice per module:
 
 * `best_step_position` (here) -- "Never tune the max_train_steps number in a study ... plot the
   training step that retrospective checkpoint selection finds in order to refine the choice of
