@@ -1,0 +1,1 @@
+"""Code the tests share: study builders, processes, workloads and fixtures' helpers (no tests here)."""

@@ -1,0 +1,108 @@
+"""Counts for the reliability summary in docs/reliability.md, taken from the test files by
+pytest's own collection: `python -m tests.helpers.reliability_counts` prints the summary lines; with
+`--write` it rewrites them in docs/reliability.md (the generated block between the markers)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+
+DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "reliability.md")
+BEGIN, END = "<!-- reliability-counts:begin -->", "<!-- reliability-counts:end -->"
+
+FAULT_TESTS = {
+    "training worker SIGKILLed mid-run": "tests/faults/test_fault_worker_kill.py",
+    "single-worker (fast path) trial process SIGKILLed mid-run": "tests/faults/test_fault_trial_kill.py",
+    "host removed from a 2-host trial, replacement added": "tests/cluster/test_fault_node_removed.py",
+    "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; the "
+    "round's Tune run process SIGKILLed; a torn checkpoint on Ray storage": (
+        "tests/faults/test_fault_driver_kill.py"
+    ),
+    "crash while a checkpoint is written / copied": "tests/faults/test_fault_checkpoint_commit.py",
+    "storage errors (transient, persistent, permission denied, gcsfs 403/5xx, GCS emulator down "
+    "mid-write)": "tests/faults/test_fault_storage.py",
+    "NaN loss (trainer level)": (
+        "tests/multiprocess/test_trainer_loop.py::test_nan_loss_ends_trial_as_diverged"
+    ),
+    "preempted trial resumed (model, optimizer, schedule, RNG, data position)": (
+        "tests/multiprocess/test_trainer_loop.py::test_resume_matches_uninterrupted_run"
+    ),
+    "resume uses each restored part (exact, then one part changed)": "tests/unit/test_resume_contract.py",
+}
+BAD_INPUT_TESTS = {
+    "bad-input corpus through `playbook` (study file, workload, data, storage, resources, "
+    "checkpoints; exit code 2, nothing written)": (
+        "tests/faults/test_bad_input_corpus.py::test_bad_input_is_refused_cleanly"
+    ),
+    "study-file values through the spec loader": "tests/unit/test_spec.py",
+}
+SPEC_BAD = (
+    "test_bad_value_names_dotted_path",
+    "test_check_workload_names_the_field",
+    "test_top_level_must_be_a_mapping",
+    "test_non_finite_float_in_yaml",
+    "test_cli_validate_reports_one_line_and_exits_2",
+    "test_bad_linear_schedule",
+    "test_round_override_must_leave_room_for_decay",
+    "test_repeated_key_is_rejected_with_its_line",
+    "test_malformed_yaml_names_source_and_line",
+    "test_a_changed_study_under_an_existing_name_is_refused",
+)
+
+
+def collect(*targets: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *targets],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line for line in out.splitlines() if "::" in line]
+
+
+def counts() -> dict[str, int]:
+    ids = collect(*sorted({t.split("::")[0] for t in (*FAULT_TESTS.values(), *BAD_INPUT_TESTS.values())}))
+    by_function = collections.Counter(i.split("[")[0] for i in ids)
+    result = {}
+    for label, target in {**FAULT_TESTS, **BAD_INPUT_TESTS}.items():
+        if target == "tests/unit/test_spec.py":
+            result[label] = sum(by_function[f"{target}::{f}"] for f in SPEC_BAD)
+        elif "::" in target:
+            result[label] = by_function[target]
+        else:
+            result[label] = sum(n for f, n in by_function.items() if f.startswith(target + "::"))
+    return result
+
+
+def summary_lines(c: dict[str, int]) -> list[str]:
+    faults = sum(c[k] for k in FAULT_TESTS)
+    bad = sum(c[k] for k in BAD_INPUT_TESTS)
+    lines = [f"Fault-injection tests: {faults} (in `make test`, which CI runs on every change):"]
+    lines += [f"- {label}: {c[label]}" for label in FAULT_TESTS]
+    lines.append(f"Bad inputs tried: {bad}, each refused with one error line naming the field or file:")
+    lines += [f"- {label}: {c[label]}" for label in BAD_INPUT_TESTS]
+    return lines
+
+
+def generated_block(text: str) -> str:
+    """The summary lines of the doc's generated block (between the markers, inside its code fence)."""
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    return block.strip().removeprefix("```").removesuffix("```").strip("\n")
+
+
+def rewrite_doc(path: str, lines: list[str]) -> None:
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n```\n" + "\n".join(lines) + "\n```\n" + END + tail)
+
+
+if __name__ == "__main__":
+    summary = summary_lines(counts())
+    if "--write" in sys.argv:
+        rewrite_doc(DOC, summary)
+    print("\n".join(summary))

@@ -1,0 +1,108 @@
+"""Study builders and checks shared by the tests: small valid studies as plain data or
+loaded, a study run under a time limit, and independent comparisons of checkpoint contents."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pyarrow.parquet as pq
+
+from service.study import spec
+
+MINIMAL_STUDY = {
+    "name": "tiny",
+    "workload": "digits",
+    "data": {"train": "d/train", "validation": "d/val"},
+    "training": {"max_train_steps": 100, "batch_size": 32, "eval_every_steps": 10},
+    "search": {"learning_rate": {"role": "nuisance", "min": 0.01, "max": 1}},
+    "rounds": [{"name": "r1", "num_trials": 4}],
+}
+"""The smallest valid study file, as plain data."""
+
+
+BASE_STUDY = {
+    "name": "t",
+    "workload": "digits",
+    "data": {},
+    "storage": "",
+    "training": {
+        "max_train_steps": 40,
+        "batch_size": 32,
+        "eval_batch_size": 64,
+        "eval_every_steps": 20,
+        "num_checkpoints_to_keep": 2,
+        "metric": "validation/loss",
+        "mode": "min",
+        "seed": 0,
+        "schedule": {"kind": "cosine", "warmup_steps": 5},
+    },
+    "search": {
+        "learning_rate": {"role": "nuisance", "type": "float", "min": 0.01, "max": 0.5, "scale": "log"},
+        "momentum": {"role": "nuisance", "type": "float", "min": 0.5, "max": 0.95},
+        "width": {"role": "fixed", "value": 4},
+    },
+    "rounds": [{"name": "explore", "num_trials": 2}],
+}
+
+
+def study_dict(digits_dir, storage, **overrides) -> dict:
+    """A small valid study as plain data; `overrides` replace top-level keys, and
+    `training={...}` is merged into the training section."""
+    d = copy.deepcopy(BASE_STUDY)
+    d["data"] = {s: str(digits_dir / s) for s in ("train", "validation", "test")}
+    d["storage"] = str(storage)
+    training = overrides.pop("training", {})
+    d["training"].update(training)
+    d.update(overrides)
+    return d
+
+
+def make_study(digits_dir, storage, **overrides) -> spec.Study:
+    return spec.load_dict(study_dict(digits_dir, storage, **overrides))
+
+
+def same_nested(a, b) -> bool:
+    """Equality of nested dicts/lists/tuples whose leaves may be tensors (checkpointed RNG
+    states, model state dicts)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_nested(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def digits_logits(state, split_dir) -> tuple:
+    """(logits as float64 numpy, labels) of a checkpoint's digits model over a whole split,
+    read with pyarrow directly: an evaluation independent of the service's eval path."""
+    import numpy as np
+    import torch
+
+    from service import workloads
+
+    model = workloads.get("digits").build_model(state.hparams or {"width": 4})
+    model.load_state_dict(state.model)
+    model.eval()
+    table = pq.read_table(str(split_dir))
+    x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype(np.float32)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x).view(-1, 1, 8, 8)).double().numpy()
+    return logits, table.column("label").to_numpy()
+
+
+STUDY_TIMEOUT_S = 420  # a hang (a worker group that never starts) fails the test instead
+
+
+def run_within_timeout(study) -> list[dict]:
+    from service.orchestration.coordinator import run_study
+
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(rows=run_study(study)), daemon=True)
+    thread.start()
+    thread.join(STUDY_TIMEOUT_S)
+    assert "rows" in out, f"study {study.name} did not finish within {STUDY_TIMEOUT_S} s"
+    return out["rows"]

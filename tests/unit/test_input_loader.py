@@ -1,0 +1,399 @@
+"""The streaming loader: projection (unused columns never read), the windowed shuffle and its
+resumability, bad files named with the column, prefetch, and memory bounded by the window."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
+from service.core.errors import DataError
+from service.data.files import list_files
+from service.data.loader import TrainStream, eval_batches, iterate_files
+from service.data.prefetch import Prefetcher, prefetch
+from service.data.sharding import RowRange
+from service.workloads.digits import Digits
+from tests.helpers.parquet_files import corrupt_column
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def digit_table(ids, junk_bytes: int = 0, pixel_type: pa.DataType | None = None) -> pa.Table:
+    ids = np.asarray(ids, dtype=np.int64)
+    pixels = np.random.default_rng(int(ids[0])).random((len(ids), 64)).astype(np.float32)
+    cols = {
+        "example_id": pa.array(ids),
+        "pixels": pa.FixedSizeListArray.from_arrays(
+            pa.array(pixels.reshape(-1), pixel_type or pa.float32()), 64
+        ),
+        "label": pa.array(ids % 10),
+    }
+    if junk_bytes:
+        cols["junk"] = pa.array([os.urandom(junk_bytes) for _ in ids], pa.binary())
+    return pa.table(cols)
+
+
+def write(path, table: pa.Table, row_group_size: int) -> None:
+    pq.write_table(table, path, row_group_size=row_group_size, use_dictionary=False, compression="none")
+
+
+def whole_shard(directory) -> list[RowRange]:
+    return [RowRange(f, 0, f.num_rows) for f in list_files(str(directory))]
+
+
+def ids_of(batches) -> list[int]:
+    return [i for b in batches for i in b["example_id"].tolist()]
+
+
+# ---------------------------------------------------------------------------- projection
+
+
+def test_a_column_the_workload_does_not_declare_is_never_decoded(tmp_path):
+    write(tmp_path / "a.parquet", digit_table(range(0, 60), junk_bytes=50), row_group_size=16)
+    write(tmp_path / "b.parquet", digit_table(range(100, 140), junk_bytes=50), row_group_size=16)
+    for name in ("a.parquet", "b.parquet"):
+        corrupt_column(tmp_path / name, "junk")
+        with pytest.raises(OSError):  # the file really is unreadable as a whole
+            pq.read_table(tmp_path / name)
+    # ...yet a full epoch of training batches and the eval batches come through, every row intact.
+    ranges = whole_shard(tmp_path)
+    stream = TrainStream(Digits(), ranges, batch_size=10, data_seed=3, shuffle_window_row_groups=2)
+    batches = list(zip(range(10), stream.iterate(0), strict=False))
+    assert sorted(ids_of(b for _, b in batches)) == list(range(60)) + list(range(100, 140))
+    expected = pa.concat_tables(
+        [
+            pq.read_table(tmp_path / n, columns=["example_id", "pixels", "label"])
+            for n in ("a.parquet", "b.parquet")
+        ]
+    )
+    by_id = dict(zip(expected["example_id"].to_pylist(), expected["pixels"].to_pylist(), strict=True))
+    for _, b in batches:
+        for i, px in zip(b["example_id"].tolist(), b["features"], strict=True):
+            assert np.array_equal(px.reshape(-1).numpy(), np.asarray(by_id[i], dtype=np.float32))
+    assert ids_of(eval_batches(Digits(), ranges, 32)) == expected["example_id"].to_pylist()
+
+
+class CountingFileSystem(LocalFileSystem):
+    """The local filesystem under `counting://`, counting every byte read through it."""
+
+    protocol = "counting"
+    bytes_read = 0
+
+    def _open(self, path, mode="rb", **kwargs):
+        return CountingFile(path, mode, fs=self, **kwargs)
+
+
+class CountingFile(LocalFileOpener):
+    def read(self, *args):
+        data = self.f.read(*args)
+        CountingFileSystem.bytes_read += len(data)
+        return data
+
+
+def test_bytes_read_exclude_the_unused_column(tmp_path):
+    fsspec.register_implementation("counting", CountingFileSystem, clobber=True)
+    path = tmp_path / "a.parquet"
+    write(path, digit_table(range(200), junk_bytes=10_000), row_group_size=50)
+    md = pq.read_metadata(path)
+    junk = md.schema.to_arrow_schema().names.index("junk")
+    junk_bytes = sum(md.row_group(i).column(junk).total_compressed_size for i in range(md.num_row_groups))
+    assert junk_bytes > 0.8 * os.path.getsize(path)  # the column is most of the file
+    files = list_files(f"counting://{path}")
+    CountingFileSystem.bytes_read = 0
+    stream = TrainStream(Digits(), [RowRange(files[0], 0, 200)], 20, data_seed=0)
+    assert len(ids_of(b for _, b in zip(range(10), stream.iterate(0), strict=False))) == 200
+    # The other columns plus pyarrow's speculative 64 KiB footer read, once per open of the file
+    # (listing, planning, streaming): far from the 2 MB of the unused column.
+    assert 0 < CountingFileSystem.bytes_read < os.path.getsize(path) - junk_bytes + 3 * 64 * 1024
+    assert CountingFileSystem.bytes_read < junk_bytes / 5
+
+
+# ---------------------------------------------------------------------------- order
+
+
+@pytest.fixture
+def many_groups(tmp_path):
+    """Three files of 8-row row groups; the shard starts and ends inside row groups."""
+    write(tmp_path / "a.parquet", digit_table(range(0, 37)), row_group_size=8)
+    write(tmp_path / "b.parquet", digit_table(range(100, 124)), row_group_size=8)
+    write(tmp_path / "c.parquet", digit_table(range(200, 230)), row_group_size=8)
+    fa, fb, fc = list_files(str(tmp_path))
+    ranges = [RowRange(fa, 5, 37), RowRange(fb, 0, 24), RowRange(fc, 0, 19)]
+    shard_ids = list(range(5, 37)) + list(range(100, 124)) + list(range(200, 219))
+    return ranges, shard_ids
+
+
+def test_epochs_are_permutations_mixed_within_windows_only(many_groups):
+    ranges, shard_ids = many_groups
+    n, batch, window = len(shard_ids), 7, 2
+    stream = TrainStream(Digits(), ranges, batch, data_seed=9, shuffle_window_row_groups=window)
+    assert stream.num_examples == n
+    steps = -(-3 * n // batch)
+    ids = ids_of(b for _, b in zip(range(steps), stream.iterate(0), strict=False))
+    epochs = [ids[e * n : (e + 1) * n] for e in range(3)]
+    group_of = {}  # example id -> (file, row group), from pyarrow's own row-group boundaries
+    for r in ranges:
+        pf = pq.ParquetFile(r.file.uri)
+        for g in range(pf.num_row_groups):
+            for i in pf.read_row_group(g, columns=["example_id"])["example_id"].to_pylist():
+                group_of[i] = (r.file.uri, g)
+    num_windows = -(-len({group_of[i] for i in shard_ids}) // window)
+    for order in epochs:
+        assert sorted(order) == sorted(shard_ids)
+        # Consecutive examples come from a window of at most `window` row groups: cut the order
+        # wherever the set of groups seen so far would exceed it; every cut is a window edge.
+        seen: set = set()
+        windows = 0
+        for i in order:
+            if group_of[i] not in seen and len(seen) == window:
+                seen, windows = set(), windows + 1
+            seen.add(group_of[i])
+        assert windows + 1 <= num_windows
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] != sorted(epochs[0])
+
+
+def test_any_start_step_continues_the_same_sequence(many_groups):
+    ranges, _ = many_groups
+    make = lambda seed: TrainStream(Digits(), ranges, 5, data_seed=seed, shuffle_window_row_groups=3)  # noqa: E731
+    reference = [b for _, b in zip(range(40), make(4).iterate(0), strict=False)]
+    for start in (1, 7, 15, 16, 33):
+        resumed = [b for _, b in zip(range(40 - start), make(4).iterate(start), strict=False)]
+        for got, want in zip(resumed, reference[start:], strict=True):
+            for key in want:
+                assert torch.equal(got[key], want[key]), (start, key)
+    other = [b for _, b in zip(range(40), make(5).iterate(0), strict=False)]
+    assert ids_of(other) != ids_of(reference)
+
+
+def test_a_cached_shard_gives_the_same_batches_and_reads_no_file_after_its_first_epoch(tmp_path):
+    """input.cache_mb: the shard's rows kept after their first read (it fits the budget), so
+    later epochs read no byte; the batches are the streaming loader's, from any start step.
+    A budget the shard does not fit leaves it streamed every epoch."""
+    fsspec.register_implementation("counting", CountingFileSystem, clobber=True)
+    for j in range(3):
+        write(tmp_path / f"part-{j}.parquet", digit_table(range(j * 60, (j + 1) * 60)), row_group_size=20)
+    ranges = [RowRange(f, 0, f.num_rows) for f in list_files(f"counting://{tmp_path}")]
+    batch, steps_per_epoch = 12, 180 // 12
+
+    def epochs_read(cache_bytes: int) -> tuple[list[dict], list[int]]:
+        stream = TrainStream(Digits(), ranges, batch, data_seed=4, cache_bytes=cache_bytes)
+        batches, read = [], []
+        it = stream.iterate(0)
+        for _ in range(3):
+            before = CountingFileSystem.bytes_read
+            batches += [next(it) for _ in range(steps_per_epoch)]
+            read.append(CountingFileSystem.bytes_read - before)
+        return batches, read
+
+    streamed, streamed_read = epochs_read(0)
+    cached, cached_read = epochs_read(1 << 20)
+    too_small, too_small_read = epochs_read(10_000)  # < the 180 rows' 46 KB of pixels
+    for got in (cached, too_small):
+        for a, b in zip(got, streamed, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in b)
+    assert min(streamed_read) > 0 and min(too_small_read) > 0
+    assert cached_read[0] > 0 and cached_read[1:] == [0, 0]
+    # from a middle step (a resume) the cached stream continues the same sequence
+    resumed = TrainStream(Digits(), ranges, batch, data_seed=4, cache_bytes=1 << 20).iterate(20)
+    for b in streamed[20:40]:
+        assert torch.equal(next(resumed)["example_id"], b["example_id"])
+
+
+def test_eval_batches_stream_the_shard_in_file_order_with_a_sample(many_groups):
+    ranges, shard_ids = many_groups
+    assert ids_of(eval_batches(Digits(), ranges, 6)) == shard_ids
+    assert [len(b["label"]) for b in eval_batches(Digits(), ranges, 6)][-1] == (len(shard_ids) % 6 or 6)
+    keep = torch.tensor([0, 3, 8, 9, 30, 31, 32, 70, 74])
+    assert ids_of(eval_batches(Digits(), ranges, 4, keep)) == [shard_ids[i] for i in keep.tolist()]
+
+
+# ---------------------------------------------------------------------------- bad files
+
+
+def test_a_corrupt_declared_column_names_the_file_and_the_column(tmp_path):
+    write(tmp_path / "a.parquet", digit_table(range(40)), row_group_size=10)
+    corrupt_column(tmp_path / "a.parquet", "pixels")
+    stream = TrainStream(Digits(), whole_shard(tmp_path), 8, data_seed=0)
+    with pytest.raises(DataError, match=r"a\.parquet: column 'pixels': cannot read row group"):
+        next(stream.iterate(0))
+
+
+def test_a_truncated_file_is_named(tmp_path):
+    write(tmp_path / "a.parquet", digit_table(range(40)), row_group_size=10)
+    data = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "a.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"a\.parquet: not a readable parquet file"):
+        list_files(str(tmp_path))
+
+
+def test_a_schema_mismatch_names_the_file_and_the_column(tmp_path):
+    write(tmp_path / "a.parquet", digit_table(range(40)), row_group_size=10)
+    write(tmp_path / "b.parquet", digit_table(range(40, 80), pixel_type=pa.float64()), row_group_size=10)
+    with pytest.raises(
+        DataError, match=r"b\.parquet: column 'pixels' has type fixed_size_list<element: double>"
+    ):
+        TrainStream(Digits(), whole_shard(tmp_path), 8, data_seed=0)
+    write(tmp_path / "b.parquet", digit_table(range(40, 80)).drop_columns(["label"]), row_group_size=10)
+    with pytest.raises(DataError, match=r"b\.parquet: missing column 'label'"):
+        list(eval_batches(Digits(), whole_shard(tmp_path), 8))
+
+
+# ---------------------------------------------------------------------------- prefetch
+
+
+def test_prefetch_keeps_order_forwards_errors_and_stops_its_thread():
+    def source():
+        yield from range(5)
+        raise DataError("x.parquet: broken")
+
+    before = threading.active_count()
+    it = prefetch(source(), 2)
+    assert [next(it) for _ in range(5)] == list(range(5))
+    with pytest.raises(DataError, match="x.parquet"):
+        next(it)
+    endless = prefetch(iter(range(10**9)), 3)
+    assert next(endless) == 0
+    del it, endless  # dropping a prefetcher stops its thread
+    for _ in range(100):
+        if threading.active_count() <= before:
+            break
+        threading.Event().wait(0.05)
+    assert threading.active_count() <= before
+
+
+def test_prefetch_hands_over_whole_runs_and_starts_the_next_below_depth():
+    pulled = []
+
+    def runs():  # runs of 5 items, as a window's batches
+        for r in range(100):
+            pulled.append(r)
+            yield [(r, i) for i in range(5)]
+
+    def settled(n: int) -> bool:  # the thread has pulled n runs (and no more)
+        for _ in range(100):
+            if len(pulled) >= n:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.05)
+        return len(pulled) == n
+
+    it = Prefetcher(runs(), depth=2)
+    assert settled(1)
+    assert [next(it) for _ in range(3)] == [(0, 0), (0, 1), (0, 2)]
+    assert settled(1)  # 2 items ready: not below the depth
+    assert next(it) == (0, 3)
+    assert settled(2)  # 1 ready: the next run is prepared
+    assert [next(it) for _ in range(6)] == [(0, 4)] + [(1, i) for i in range(5)]
+    it.close()
+
+
+# ---------------------------------------------------------------------------- memory
+
+MEASURE = """
+import json, os, sys
+import pyarrow as pa
+from service.data.loader import iterate_files
+from service.workloads.digits import Digits
+def rss():  # resident bytes now
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+directory, rows = sys.argv[1], int(sys.argv[2])
+before = rss()
+batches = iterate_files(Digits(), [directory], batch_size=256, prefetch_batches=4)
+seen, peak = 0, before
+while seen < rows:  # one whole epoch, resident size sampled after every batch
+    seen += len(next(batches)["label"])
+    peak = max(peak, rss())
+print(json.dumps({"rss_growth": peak - before, "arrow_peak": pa.default_memory_pool().max_memory()}))
+"""
+
+
+def measure(directory, rows: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(directory), str(rows)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_loader_memory_does_not_grow_with_the_dataset(tmp_path):
+    """One epoch over 20k rows and over 200k rows (10x, ~50 MiB of pixels): the arrow pool's
+    peak and the process's peak RSS growth stay about the same (bounded by the shuffle window
+    and the prefetch queue, not by the data)."""
+    sizes = {"small": 20_000, "large": 200_000}
+    for name, rows in sizes.items():
+        (tmp_path / name).mkdir()
+        per_file = rows // 4
+        for j in range(4):
+            write(
+                tmp_path / name / f"part-{j}.parquet",
+                digit_table(range(j * per_file, (j + 1) * per_file)),
+                2000,
+            )
+    small, large = measure(tmp_path / "small", sizes["small"]), measure(tmp_path / "large", sizes["large"])
+    print("loader memory", small, large)
+    data_bytes = sizes["large"] * 64 * 4
+    assert large["arrow_peak"] < 2 * small["arrow_peak"] + (1 << 20)
+    assert large["arrow_peak"] < data_bytes / 10
+    # Resident growth includes a fixed ~90 MB (threads, first torch ops, lazily loaded code);
+    # what the 10x data adds must be a small fraction of the 51 MB more data.
+    assert large["rss_growth"] - small["rss_growth"] < data_bytes / 10
+
+
+def test_iterate_files_is_the_training_stream_on_whole_files(many_groups, tmp_path):
+    ranges, _ = many_groups
+    directory = os.path.dirname(ranges[0].file.uri)
+    full = whole_shard(directory)
+    want = TrainStream(Digits(), full, 9, data_seed=2, shuffle_window_row_groups=3).iterate(0)
+    got = iterate_files(
+        Digits(), [directory], 9, data_seed=2, prefetch_batches=2, shuffle_window_row_groups=3
+    )
+    for _ in range(20):
+        assert torch.equal(next(got)["example_id"], next(want)["example_id"])
+
+
+def test_on_gcs_the_unused_column_is_not_fetched(gcs_emulator, monkeypatch):
+    """The same on gs:// through gcsfs (against the emulator): a read block larger than the
+    column chunks (gcsfs reads 5 MiB blocks by default) would fetch the unused column with
+    them. Bytes are counted where gcsfs sends each GET (a spy around its own method)."""
+    import gcsfs.core
+
+    from service.core import storage
+
+    local = io.BytesIO()
+    pq.write_table(digit_table(range(200), junk_bytes=10_000), local, row_group_size=50)
+    uri = f"{gcs_emulator}/projection/a.parquet"
+    storage.write_bytes_atomic(uri, local.getvalue())
+    md = pq.read_metadata(io.BytesIO(local.getvalue()))
+    junk = md.schema.to_arrow_schema().names.index("junk")
+    junk_bytes = sum(md.row_group(i).column(junk).total_compressed_size for i in range(md.num_row_groups))
+    assert junk_bytes > 0.8 * len(local.getvalue())
+
+    fetched = []
+    original = gcsfs.core.GCSFileSystem._cat_file_sequential  # every ranged GET of gcsfs
+
+    async def counting(self, path, start=None, end=None, **kwargs):
+        data = await original(self, path, start=start, end=end, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_cat_file_sequential", counting)
+    files = list_files(f"{gcs_emulator}/projection")
+    stream = TrainStream(Digits(), [RowRange(files[0], 0, 200)], 20, data_seed=0)
+    assert len(ids_of(b for _, b in zip(range(10), stream.iterate(0), strict=False))) == 200
+    assert fetched and sum(fetched) < junk_bytes / 5, (sum(fetched), junk_bytes)
