@@ -298,7 +298,7 @@ def measure_multihost(tmp: str) -> dict:
         scaling={"num_hosts": MH_HOSTS, "workers_per_host": 1},
     )
     plan = TrialPlan(study, "r-0000", "r", {"learning_rate": 0.05, "momentum": 0.9, "width": 4}, MH_STEPS)
-    # As tests/test_multihost_cluster.py: a head without CPUs (the driver and Ray Train's
+    # As tests/cluster/test_multihost_cluster.py: a head without CPUs (the driver and Ray Train's
     # controller need none) and one 1-CPU node per host.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     try:

@@ -7,7 +7,7 @@ runs at once if the last write is long enough ago, else once when the wait ends,
 change requested meanwhile. The wait after a write is the longer of `min_interval_s` and what
 keeps writing to `share` of the time (9x the write's duration at share 0.1): however large the
 table grows, rewriting it takes a bounded share of the coordinator's time, and the rows written
-over a study grow linearly with its trials (bench/scale.py, tests/test_trial_table_writes.py).
+over a study grow linearly with its trials (bench/scale.py, tests/unit/test_trial_table_writes.py).
 
 What a crash can lose: the changes of the last wait (about a second). The trial table's
 readers tolerate it: a trial whose FINISHED row was not written is started again on resume and
