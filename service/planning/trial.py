@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.core.ranking import best_row  # noqa: F401 (tests/test_checkpoint_store imports it here; to go)
 from service.planning import schedules
 from service.study.layout import TrialLayout
 from service.study.spec import Schedule, Study, schedule_from_dict

@@ -124,7 +124,7 @@ TIED = [0.5, 0.3, 0.3, 0.4, 0.3, 0.6]  # validation/error at steps 1..6: steps 2
 
 
 def test_on_a_tie_the_later_evaluation_is_the_best_and_is_kept(tmp_path):
-    from service.planning.trial import best_row
+    from service.core.ranking import best_row
 
     history = [{"step": step, "validation/error": v} for step, v in enumerate(TIED, start=1)]
     assert best_row(history, "validation/error", "min")["step"] == 5
@@ -139,7 +139,7 @@ def test_on_a_tie_the_later_evaluation_is_the_best_and_is_kept(tmp_path):
 @pytest.mark.parametrize("mode", ["min", "max"])
 @pytest.mark.parametrize("keep", [1, 2, 3])
 def test_the_best_of_a_coarse_metric_is_always_kept(tmp_path, mode, keep):
-    from service.planning.trial import best_row
+    from service.core.ranking import best_row
 
     rng = np.random.default_rng(keep)
     for trial in range(5):

@@ -14,9 +14,9 @@ from service.analysis.verdicts import (
     Verdict,
     best_step_position,
     range_position,
-    ranked_results,
     study_verdicts,
 )
+from service.core.ranking import ranked_results
 from service.study.spec import HParam
 
 LR_LOG = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="log")
