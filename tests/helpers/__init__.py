@@ -1,1 +1,2 @@
-"""Code the tests share: study builders, processes, workloads and fixtures' helpers (no tests here)."""
+"""Code the tests share (no tests here): study builders, started processes, workloads loaded
+by name, independent reference computations."""

@@ -98,6 +98,8 @@ STUDY_TIMEOUT_S = 420  # a hang (a worker group that never starts) fails the tes
 
 
 def run_within_timeout(study) -> list[dict]:
+    """The study's trial rows, run on the connected Ray; a study still running after
+    STUDY_TIMEOUT_S fails the test."""
     from service.orchestration.coordinator import run_study
 
     out: dict = {}
