@@ -133,16 +133,6 @@ def all_reduce_min(value: float, device) -> float:
     return float(t.item())
 
 
-def gather_rng_states() -> list[dict]:
-    """Every rank's generator states (`trainer.rng`), indexed by world rank."""
-    mine = rng.capture()
-    if not distributed():
-        return [mine]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return states
-
-
 def train(
     plan: TrialPlan,
     topo: Topology,
@@ -478,7 +468,7 @@ def checkpoint_and_report(
         "best_step": best["step"],
         "best_metric": best[tr.metric],
     }
-    rng_states = gather_rng_states()
+    rng_states = topology_record.gather(rng.capture())  # every rank's generators, by world rank
     state = TrialState(
         step, ctx.model.state_dict(), ctx.optimizer.state_dict(), rng_states, history, dict(ctx.plan.hparams)
     )

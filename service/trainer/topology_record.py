@@ -28,6 +28,7 @@ def ids_sha256(example_ids: torch.Tensor) -> str:
 
 
 def gather(record: dict) -> list[dict]:
+    """Every rank's `record`, indexed by world rank (this rank's alone when not distributed)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [record]
     records = [None] * dist.get_world_size()
