@@ -19,6 +19,7 @@ from torch import nn
 
 from service import workloads
 from service.core.ranking import best_row, worst
+from service.core.trial_status import TrialStatus
 from service.data import files
 from service.data.files import list_files
 from service.data.input_timer import InputTimer
@@ -446,7 +447,9 @@ def report_divergence(
     step over ranks, the worst metric, no checkpoint."""
     tr = ctx.training
     diverged_at = int(all_reduce_min(first_bad_step, ctx.device))
-    row.update({"status": "diverged", "diverged_at_step": diverged_at, tr.metric: worst(tr.mode)})
+    row.update(
+        {"status": TrialStatus.DIVERGED.reported, "diverged_at_step": diverged_at, tr.metric: worst(tr.mode)}
+    )
     ctx.rank0.run(
         print, f"[{ctx.plan.trial_name}] diverged: non-finite loss at step {diverged_at}", flush=True
     )
@@ -464,7 +467,7 @@ def checkpoint_and_report(
     best = best_row(history, tr.metric, tr.mode)
     report = {  # flat scalars only: per-class details stay in the metrics log
         **{k: v for k, v in row.items() if not k.endswith("/per_class")},
-        "status": "running" if step < ctx.max_steps else "finished",
+        "status": (TrialStatus.RUNNING if step < ctx.max_steps else TrialStatus.FINISHED).reported,
         "best_step": best["step"],
         "best_metric": best[tr.metric],
     }
@@ -487,11 +490,12 @@ def summary(ctx: TrialContext, progress: Progress) -> dict:
     """What `train` returns: the trial's last step, its history, its status and its best row."""
     tr, history = ctx.training, progress.history
     best = best_row(history, tr.metric, tr.mode)
+    finished = TrialStatus.FINISHED.reported
     return {
         "trial_name": ctx.plan.trial_name,
         "last_step": progress.step,
         "history": history,
-        "status": history[-1].get("status", "finished") if history else "finished",
+        "status": history[-1].get("status", finished) if history else finished,
         "best_step": best["step"] if best else None,
         "best_metric": best[tr.metric] if best else None,
     }
