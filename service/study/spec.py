@@ -34,8 +34,10 @@ SCHEDULE_HPARAMS = {
 }
 # The optimizers that read each optimizer-specific hyperparameter.
 READ_BY_OPTIMIZERS = {"momentum": ("sgd_momentum", "nesterov"), "beta1": ("adamw",), "beta2": ("adamw",)}
+# Read by the step loop whatever the optimizer: gradient clipping by global norm.
+CLIP_HPARAM = "grad_clip_norm"
 # Hyperparameters the trainer itself consumes; every other name goes to the workload.
-OPTIMIZER_HPARAMS = ("learning_rate", "weight_decay", *READ_BY_OPTIMIZERS, *SCHEDULE_HPARAMS)
+OPTIMIZER_HPARAMS = ("learning_rate", "weight_decay", CLIP_HPARAM, *READ_BY_OPTIMIZERS, *SCHEDULE_HPARAMS)
 DEFAULT_STEP_MULTIPLIER = 2.0
 
 
@@ -381,6 +383,8 @@ class Study:
                     f"search.{name}",
                     f"not read by optimizer {tr.optimizer} (only by {', '.join(readers)})",
                 )
+            if name == CLIP_HPARAM:
+                yield from ((f"search.{name}", m) for m in _clip_value_errors(hp))
             if name not in SCHEDULE_HPARAMS:
                 continue
             default = getattr(Schedule(), name)
@@ -488,6 +492,15 @@ def _schedule_value_errors(name: str, hp: HParam):
         yield f"must be a number (got {', '.join(map(str, values))})"
     elif not all(0 <= v <= 1 for v in values):
         yield f"a fraction of the base learning rate: must be in [0, 1] (got {', '.join(map(str, values))})"
+
+
+def _clip_value_errors(hp: HParam):
+    """grad_clip_norm is a gradient norm: a number > 0."""
+    values = hp.extremes
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
+        yield f"a gradient norm: must be a number (got {', '.join(map(str, values))})"
+    elif min(values) <= 0:
+        yield f"a gradient norm: must be > 0 (got {min(values)})"
 
 
 def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) -> bool:

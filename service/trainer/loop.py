@@ -33,7 +33,7 @@ from service.evaluation.sampling import EvalSample, bias_fields, is_full_eval, p
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.planning.trial import TrialPlan
-from service.study.spec import Training
+from service.study.spec import CLIP_HPARAM, Training
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
 from service.trainer.metrics_log import MetricsLog
@@ -87,31 +87,40 @@ def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
 
 
 class StepTally:
-    """An interval's training-loss sum and count (finite losses) and its first non-finite step,
-    kept as device tensors: adding a step's loss reads nothing back to the host, so the step
-    never waits for the device (the playbook: no accidental host syncs in the input pipeline's
-    way). `take()` reads them at an eval point, in one transfer, and starts the next interval."""
+    """An interval's training-loss sum and count (finite losses), its first non-finite step and,
+    with gradient clipping, the sum of the gradients' global norms (before clipping) and the
+    number of steps clipped, kept as device tensors: adding a step reads nothing back to the
+    host, so the step never waits for the device (the playbook: no accidental host syncs in the
+    input pipeline's way). `take()` reads them at an eval point, in one transfer, and starts the
+    next interval."""
 
     def __init__(self, device):
         self.device = device
         self._start()
 
     def _start(self) -> None:
-        self.sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, count
+        # loss sum, finite-loss count, grad norm sum, clipped steps
+        self.sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         self.first_bad = torch.full((), math.inf, dtype=torch.float64, device=self.device)
 
     def add(self, loss: torch.Tensor, step: int) -> None:
         value = loss.detach().double()
         finite = torch.isfinite(value)
-        self.sums += torch.stack([torch.where(finite, value, 0.0), finite.double()])
+        self.sums[:2] += torch.stack([torch.where(finite, value, 0.0), finite.double()])
         this_step = torch.full((), float(step), dtype=torch.float64, device=self.device)
         self.first_bad = torch.where(finite, self.first_bad, torch.minimum(self.first_bad, this_step))
 
-    def take(self) -> tuple[float, float, float]:
-        """(loss sum, finite steps, first non-finite step or inf) since the last take."""
-        loss_sum, count, first_bad = torch.cat([self.sums, self.first_bad.view(1)]).tolist()
+    def add_grad_norm(self, norm: torch.Tensor, max_norm: float) -> None:
+        """A step's global gradient norm before clipping; clipped when it exceeds `max_norm`."""
+        norm = norm.detach().double()
+        self.sums[2:] += torch.stack([norm, (norm > max_norm).double()])
+
+    def take(self) -> tuple[float, float, float, float, float]:
+        """(loss sum, finite steps, grad norm sum, clipped steps, first non-finite step or inf)
+        since the last take."""
+        *sums, first_bad = torch.cat([self.sums, self.first_bad.view(1)]).tolist()
         self._start()
-        return loss_sum, count, first_bad
+        return (*sums, first_bad)
 
 
 def step_sync_debug(inp, device) -> str | None:
@@ -211,6 +220,7 @@ class TrialContext:
     tally: StepTally
     timer: InputTimer
     sync_debug: str | None
+    clip_norm: float | None  # grad_clip_norm: clip the gradients' global norm to this
 
     @property
     def training(self) -> Training:
@@ -260,7 +270,13 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         tally=StepTally(device),
         timer=InputTimer(),
         sync_debug=step_sync_debug(study.input, device),
+        clip_norm=clip_norm(plan.hparams),
     )
+
+
+def clip_norm(hparams: dict) -> float | None:
+    value = hparams.get(CLIP_HPARAM)
+    return None if value is None else float(value)
 
 
 def build_model(plan: TrialPlan, topo: Topology, workload, device):
@@ -383,6 +399,9 @@ def train_step(
     loss = ctx.workload.loss(ctx.workload.forward(ctx.ddp, batch), batch).mean()
     ctx.optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if ctx.clip_norm is not None:  # the gradients are all-reduced: the same global norm on every rank
+        norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_norm)
+        ctx.tally.add_grad_norm(norm, ctx.clip_norm)
     ctx.optimizer.step()
     progress.step += 1
     progress.steps_in_interval += 1
@@ -421,12 +440,13 @@ def eval_point(
 def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | None]:
     """The interval's row of training metrics, summed over ranks, and the first non-finite step
     of this rank when any rank saw one (None when none did)."""
-    loss_sum, loss_count, first_bad_step = ctx.tally.take()
+    loss_sum, loss_count, norm_sum, clipped, first_bad_step = ctx.tally.take()
     elapsed_s = time.perf_counter() - progress.interval_start
     bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
     reduce_start = time.perf_counter()
-    loss_total, loss_n, bad, *input_s = all_reduce_sum(
-        [loss_sum, loss_count, bad_flag, *ctx.timer.take(), *ctx.stream.stats.take()], ctx.device
+    loss_total, loss_n, bad, norm_total, clipped_n, *input_s = all_reduce_sum(
+        [loss_sum, loss_count, bad_flag, norm_sum, clipped, *ctx.timer.take(), *ctx.stream.stats.take()],
+        ctx.device,
     )
     reduce_s = time.perf_counter() - reduce_start
     row = {
@@ -434,10 +454,20 @@ def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | N
         "learning_rate": progress.lr,
         "train/loss": loss_total / loss_n if loss_n else math.nan,
         "steps_per_s": progress.steps_in_interval / max(elapsed_s, 1e-9),
+        **clip_fields(ctx, norm_total, clipped_n, progress.steps_in_interval),
         **input_fields(input_s, ctx.unused_columns),
         "multihost/reduce_s": reduce_s,  # this rank's wait in the metric all-reduce
     }
     return row, first_bad_step if bad else None
+
+
+def clip_fields(ctx: TrialContext, norm_total: float, clipped: float, steps: int) -> dict:
+    """With grad_clip_norm: the interval's mean gradient norm before clipping and the fraction
+    of its steps that were clipped (sums over ranks, whose norms are equal, over ranks x steps)."""
+    if ctx.clip_norm is None or not steps:
+        return {}
+    n = steps * ctx.topo.world_size
+    return {"train/grad_norm": norm_total / n, "train/clipped_fraction": clipped / n}
 
 
 def report_divergence(

@@ -1,0 +1,127 @@
+"""Gradient clipping by global norm (`grad_clip_norm`, a hyperparameter any optimizer reads):
+the step loop clips as a plain loop with the clipping written by hand does, and reports the
+interval's mean gradient norm before clipping and the fraction of steps clipped."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from service.core.errors import SpecError
+from service.data.files import list_files
+from service.data.loader import TrainStream
+from service.data.sharding import train_shard
+from service.study import spec
+from service.trainer import checkpoint
+from service.trainer.loop import build_optimizer, train
+from service.trainer.topology import Topology, data_seed, init_seed
+from service.workloads.digits import Digits
+from tests.helpers.studies import MINIMAL_STUDY
+from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan
+
+CLIP = 0.37
+STEPS, EVERY = 12, 4
+
+
+def hand_clipped_run(plan, clip: float | None):
+    """The trial's updates in a plain loop; the gradients' global norm computed in float64 with
+    numpy and the gradients scaled by min(1, clip / (norm + 1e-6)) by hand. Returns the final
+    weights and each step's norm before clipping."""
+    workload = Digits()
+    torch.manual_seed(init_seed(plan.trial_seed))
+    model = workload.build_model(plan.hparams)
+    optimizer = build_optimizer(plan.study.training.optimizer, model.parameters(), plan.hparams)
+    stream = TrainStream(
+        workload,
+        train_shard(list_files(plan.study.data.train), 1, 0, 1, 0),
+        plan.study.training.batch_size,
+        data_seed(plan.trial_seed, 0, 0),
+    )
+    norms = []
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = float(plan.hparams["learning_rate"])
+        batch = stream.batch(step)
+        loss = workload.loss(model(batch["features"]), batch).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = float(np.sqrt(sum((g.double().numpy() ** 2).sum() for g in grads)))
+        norms.append(norm)
+        if clip is not None and norm > clip:
+            for g in grads:
+                g.mul_(clip / (norm + 1e-6))
+        optimizer.step()
+    return model.state_dict(), norms
+
+
+def clipped_plan(digits_dir, storage, clip):
+    hparams = {**HPARAMS, **({"grad_clip_norm": clip} if clip is not None else {})}
+    return make_plan(
+        digits_dir,
+        storage,
+        hparams=hparams,
+        max_train_steps=STEPS,
+        eval_every_steps=EVERY,
+        schedule={"kind": "constant"},
+    )
+
+
+def test_the_loop_clips_as_a_plain_loop_with_clipping_by_hand(digits_dir, tmp_path):
+    plan = clipped_plan(digits_dir, tmp_path / "s", CLIP)
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+    trained = checkpoint.load(reporter.reports[-1][1]).model
+
+    expected, norms = hand_clipped_run(plan, CLIP)
+    clipped = [n > CLIP for n in norms]
+    assert 0 < sum(clipped) < len(clipped), norms  # the test sees clipped and unclipped steps
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
+    for m, lo in zip(reporter.metrics, range(0, STEPS, EVERY), strict=True):
+        assert m["train/grad_norm"] == pytest.approx(np.mean(norms[lo : lo + EVERY]), rel=1e-4)
+        assert m["train/clipped_fraction"] == pytest.approx(np.mean(clipped[lo : lo + EVERY]))
+
+    unclipped, _ = hand_clipped_run(plan, None)
+    assert any(not torch.allclose(trained[k], unclipped[k], rtol=1e-3) for k in unclipped)
+
+
+def test_without_grad_clip_norm_nothing_is_clipped_or_reported(digits_dir, tmp_path):
+    plan = clipped_plan(digits_dir, tmp_path / "s", None)
+    reporter = Reporter(tmp_path)
+    train(plan, Topology(), reporter)
+    expected, _ = hand_clipped_run(plan, None)
+    trained = checkpoint.load(reporter.reports[-1][1]).model
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
+    assert not any("grad_norm" in k or "clipped" in k for m in reporter.metrics for k in m)
+
+
+def study_with(**search):
+    d = copy.deepcopy(MINIMAL_STUDY)
+    d["search"].update(search)
+    return d
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "nesterov", "adamw"])
+def test_grad_clip_norm_is_searchable_with_every_optimizer(optimizer):
+    d = study_with(grad_clip_norm={"role": "nuisance", "min": 0.1, "max": 10, "scale": "log"})
+    d["training"]["optimizer"] = optimizer
+    assert spec.load_dict(d).search["grad_clip_norm"].max == 10
+
+
+@pytest.mark.parametrize(
+    "hp, message",
+    [
+        ({"role": "fixed", "value": 0}, "must be > 0 (got 0)"),
+        ({"role": "nuisance", "min": -1, "max": 1}, "must be > 0 (got -1.0)"),
+        ({"role": "fixed", "value": "big"}, "must be a number"),
+    ],
+)
+def test_a_grad_clip_norm_that_is_no_norm_is_refused_naming_the_field(hp, message):
+    with pytest.raises(SpecError, match=r"search\.grad_clip_norm") as e:
+        spec.load_dict(study_with(grad_clip_norm=hp))
+    assert message in str(e.value)
