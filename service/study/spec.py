@@ -33,7 +33,12 @@ SCHEDULE_HPARAMS = {
     "final_lr_fraction": ("linear", "cosine"),
 }
 # The optimizers that read each optimizer-specific hyperparameter.
-READ_BY_OPTIMIZERS = {"momentum": ("sgd_momentum", "nesterov"), "beta1": ("adamw",), "beta2": ("adamw",)}
+READ_BY_OPTIMIZERS = {
+    "momentum": ("sgd_momentum", "nesterov"),
+    "beta1": ("adamw",),
+    "beta2": ("adamw",),
+    "eps": ("adamw",),
+}
 # Read by the step loop whatever the optimizer: gradient clipping by global norm.
 CLIP_HPARAM = "grad_clip_norm"
 # Hyperparameters the trainer itself consumes; every other name goes to the workload.

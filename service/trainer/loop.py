@@ -81,7 +81,8 @@ def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
     wd = float(hparams.get("weight_decay", 0.0))
     if name == "adamw":
         betas = (float(hparams.get("beta1", 0.9)), float(hparams.get("beta2", 0.999)))
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=wd)
+        eps = float(hparams.get("eps", 1e-8))
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
     momentum = float(hparams.get("momentum", 0.9))
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=name == "nesterov")
 

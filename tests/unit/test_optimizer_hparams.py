@@ -1,6 +1,7 @@
-"""Gradient clipping by global norm (`grad_clip_norm`, a hyperparameter any optimizer reads):
-the step loop clips as a plain loop with the clipping written by hand does, and reports the
-interval's mean gradient norm before clipping and the fraction of steps clipped."""
+"""The optimizer hyperparameters the step loop reads. Gradient clipping by global norm
+(`grad_clip_norm`, read whatever the optimizer): the loop clips as a plain loop with the
+clipping written by hand does, and reports the interval's mean gradient norm before clipping and
+the fraction of steps clipped. AdamW's `beta2` and `eps`: an update computed by hand."""
 
 from __future__ import annotations
 
@@ -125,3 +126,25 @@ def test_a_grad_clip_norm_that_is_no_norm_is_refused_naming_the_field(hp, messag
     with pytest.raises(SpecError, match=r"search\.grad_clip_norm") as e:
         spec.load_dict(study_with(grad_clip_norm=hp))
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("beta2, eps", [(0.999, 1e-8), (0.95, 0.5)])
+def test_adamw_reads_a_searched_beta2_and_eps(beta2, eps):
+    """Two AdamW updates of one weight, by hand: m and v are bias-corrected EMAs of g and g²,
+    the update lr * m̂ / (sqrt(v̂) + eps) (weight decay 0)."""
+    w = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    opt = build_optimizer("adamw", [w], {"learning_rate": 0.1, "beta2": beta2, "eps": eps})
+    expected, m, v, beta1 = 1.0, 0.0, 0.0, 0.9
+    for t, g in enumerate([0.3, -0.2], start=1):
+        w.grad = torch.tensor([g], dtype=torch.float64)
+        opt.step()
+        m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        expected -= 0.1 * (m / (1 - beta1**t)) / (np.sqrt(v / (1 - beta2**t)) + eps)
+    assert float(w) == pytest.approx(expected, rel=1e-12)
+
+
+def test_eps_is_refused_with_an_optimizer_that_does_not_read_it():
+    with pytest.raises(SpecError, match=r"search\.eps: not read by optimizer nesterov \(only by adamw\)"):
+        d = study_with(eps={"role": "fixed", "value": 1e-6})
+        d["training"]["optimizer"] = "nesterov"
+        spec.load_dict(d)
