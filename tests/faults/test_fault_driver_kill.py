@@ -24,7 +24,7 @@ from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS
-from tests.helpers.processes import end_session
+from tests.helpers.processes import end_session, kill_session
 from tests.helpers.studies import same_nested, study_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -137,6 +137,10 @@ def killed_and_rerun(baseline, digits_dir, tmp_path_factory):
         ):
             log = read_log(study_uri, last)
             os.kill(proc.pid, signal.SIGKILL)
+            # Its embedded Ray goes with it at once, as when the driver's machine is lost: left
+            # to wind down on its own, the orphaned trial could train to its end first, and the
+            # rerun would then have nothing to resume.
+            kill_session(proc.pid)
             at_kill = {
                 "registered": registered_steps(study_uri, last),
                 "logged": log[-1]["step"] if log else 0,

@@ -41,7 +41,12 @@ def end_session(proc) -> None:
     deadline = time.time() + 60
     while session_pids(proc.pid) and time.time() < deadline:
         time.sleep(0.5)
-    for pid in session_pids(proc.pid):
+    kill_session(proc.pid)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process in session `sid`."""
+    for pid in session_pids(sid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
