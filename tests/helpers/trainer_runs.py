@@ -7,6 +7,8 @@ import copy
 import json
 import shutil
 
+import torch
+
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.checkpoint import TrialState
@@ -78,3 +80,26 @@ def without_timing(row: dict) -> dict:
     from service.trainer.loop import TIMING_FIELDS
 
     return {k: v for k, v in row.items() if k not in TIMING_FIELDS}
+
+
+def plain_loop_parts(plan: TrialPlan):
+    """What a plain single-process replay of `plan` starts from: the digits workload, its model
+    seeded as the trial's, the trial's optimizer and its rank-0 training stream."""
+    from service.data.files import list_files
+    from service.data.loader import TrainStream
+    from service.data.sharding import train_shard
+    from service.trainer.loop import build_optimizer
+    from service.trainer.topology import data_seed, init_seed
+    from service.workloads.digits import Digits
+
+    workload = Digits()
+    torch.manual_seed(init_seed(plan.trial_seed))
+    model = workload.build_model(plan.hparams)
+    optimizer = build_optimizer(plan.study.training.optimizer, model.parameters(), plan.hparams)
+    stream = TrainStream(
+        workload,
+        train_shard(list_files(plan.study.data.train), 1, 0, 1, 0),
+        plan.study.training.batch_size,
+        data_seed(plan.trial_seed, 0, 0),
+    )
+    return workload, model, optimizer, stream

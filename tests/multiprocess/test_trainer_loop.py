@@ -22,7 +22,15 @@ from service.trainer.checkpoint import TrialState
 from service.trainer.loop import train
 from service.trainer.topology import Topology
 from service.workloads.digits import Digits, SmallConvNet
-from tests.helpers.trainer_runs import HPARAMS, Interrupted, Reporter, make_plan, read_log, without_timing
+from tests.helpers.trainer_runs import (
+    HPARAMS,
+    Interrupted,
+    Reporter,
+    make_plan,
+    plain_loop_parts,
+    read_log,
+    without_timing,
+)
 
 
 @pytest.fixture(scope="module")
@@ -338,22 +346,7 @@ def test_saved_predictions_reproduce_the_reported_metrics(digits_dir, tmp_path):
 def first_nonfinite_step(plan: TrialPlan) -> int:
     """Replay the trial's updates in a plain loop (same seeds, data and optimizer) and return the
     1-based step whose loss is first non-finite."""
-    from service.data.files import list_files
-    from service.data.loader import TrainStream
-    from service.data.sharding import train_shard
-    from service.trainer.loop import build_optimizer
-    from service.trainer.topology import data_seed, init_seed
-
-    workload = Digits()
-    torch.manual_seed(init_seed(plan.trial_seed))
-    model = workload.build_model(plan.hparams)
-    optimizer = build_optimizer(plan.study.training.optimizer, model.parameters(), plan.hparams)
-    stream = TrainStream(
-        workload,
-        train_shard(list_files(plan.study.data.train), 1, 0, 1, 0),
-        plan.study.training.batch_size,
-        data_seed(plan.trial_seed, 0, 0),
-    )
+    workload, model, optimizer, stream = plain_loop_parts(plan)
     for step in range(plan.max_train_steps or plan.study.training.max_train_steps):
         for group in optimizer.param_groups:
             group["lr"] = float(plan.hparams["learning_rate"])

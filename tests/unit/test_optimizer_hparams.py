@@ -12,16 +12,12 @@ import pytest
 import torch
 
 from service.core.errors import SpecError
-from service.data.files import list_files
-from service.data.loader import TrainStream
-from service.data.sharding import train_shard
 from service.study import spec
 from service.trainer import checkpoint
 from service.trainer.loop import build_optimizer, train
-from service.trainer.topology import Topology, data_seed, init_seed
-from service.workloads.digits import Digits
+from service.trainer.topology import Topology
 from tests.helpers.studies import MINIMAL_STUDY
-from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan
+from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan, plain_loop_parts
 
 CLIP = 0.37
 STEPS, EVERY = 12, 4
@@ -31,16 +27,7 @@ def hand_clipped_run(plan, clip: float | None):
     """The trial's updates in a plain loop; the gradients' global norm computed in float64 with
     numpy and the gradients scaled by min(1, clip / (norm + 1e-6)) by hand. Returns the final
     weights and each step's norm before clipping."""
-    workload = Digits()
-    torch.manual_seed(init_seed(plan.trial_seed))
-    model = workload.build_model(plan.hparams)
-    optimizer = build_optimizer(plan.study.training.optimizer, model.parameters(), plan.hparams)
-    stream = TrainStream(
-        workload,
-        train_shard(list_files(plan.study.data.train), 1, 0, 1, 0),
-        plan.study.training.batch_size,
-        data_seed(plan.trial_seed, 0, 0),
-    )
+    workload, model, optimizer, stream = plain_loop_parts(plan)
     norms = []
     for step in range(STEPS):
         for group in optimizer.param_groups:
