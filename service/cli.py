@@ -12,6 +12,7 @@ from service.core import ranking
 from service.core.errors import PlaybookError, SpecError, StudyNotFound
 from service.core.formatting import cell
 from service.core.trial_status import TrialStatus
+from service.data.make import DATASETS
 from service.study import spec
 from service.study.layout import INDEX_DIR, RootLayout, StudyLayout
 
@@ -86,8 +87,10 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_find_steps)
 
     c = sub.add_parser("data", help="write a built-in dataset as parquet shards")
-    c.add_argument("dataset", choices=["digits"])
+    c.add_argument("dataset", choices=sorted(DATASETS))
     c.add_argument("uri")
+    c.add_argument("--count", type=int, help="number of examples (default: the data set's own)")
+    c.add_argument("--seed", type=int, default=0, help="seed of everything drawn")
     c.set_defaults(func=cmd_data)
 
     c = sub.add_parser("preprocess", help="preprocess raw parquet offline into shards for a workload")
@@ -360,9 +363,8 @@ def cmd_eval(args) -> int:
 
 def cmd_data(args) -> int:
     from service.core import storage
-    from service.data.builtin import write_digits
 
-    written = write_digits(storage.absolute(args.uri))
+    written = DATASETS[args.dataset](storage.absolute(args.uri), args.count, args.seed)
     for split, files in written.items():
         print(f"{split}: {len(files)} files under {storage.join(storage.absolute(args.uri), split)}")
     return 0
