@@ -202,6 +202,15 @@ def scaling_config(scaling) -> ScalingConfig:
     )
 
 
+def torch_config(scaling):
+    """The worker group's torch.distributed set-up: its collectives fail after
+    `scaling.collective_timeout_s` (gloo and NCCL alike; Ray Train turns on NCCL's async error
+    handling, so a timed-out NCCL collective ends the process too)."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(timeout_s=scaling.collective_timeout_s)
+
+
 def trainer_for(plan: TrialPlan, in_tune: bool):
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -211,6 +220,7 @@ def trainer_for(plan: TrialPlan, in_tune: bool):
     return trainer_class()(
         train_worker,
         train_loop_config={"plan": plan},
+        torch_config=torch_config(scaling),
         scaling_config=scaling_config(scaling),
         run_config=RunConfig(
             name=plan.trial_name,
@@ -377,6 +387,7 @@ def run_offline_eval(checkpoint_uri: str, split: str, study: Study) -> None:
     TorchTrainer(
         eval_worker,
         train_loop_config={"checkpoint_uri": checkpoint_uri, "split": split},
+        torch_config=torch_config(scaling),
         scaling_config=scaling_config(scaling),
         run_config=RunConfig(
             name=f"eval-{trial}-{split}-{uuid.uuid4().hex[:6]}",

@@ -258,6 +258,7 @@ RUN_ONLY_FIELDS = (
     "input.cpus_per_input_worker",
     "input.sync_debug",
     "tracking.progress_interval_s",
+    "scaling.collective_timeout_s",
 )
 
 

@@ -70,9 +70,16 @@ class Scaling:
     """One GPU per worker and NCCL; otherwise CPU and gloo."""
     cpus_per_worker: float = 1.0
     """CPUs reserved for each worker."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective (an all-reduce, a gather: gloo or NCCL) waits for its slowest rank
+    before it fails, and with it the worker group, which Ray Train restarts from the latest
+    checkpoint: how long a trial can hang on a rank whose host dropped off the network (Ray
+    Train's `TorchConfig.timeout_s`, whose default is 1800). It must exceed the longest time one
+    rank works alone while the others wait in a collective: rank 0 writing an eval point's
+    predictions, a slow first read of a rank's data."""
 
     def errors(self):
-        yield from _positive(self, "num_hosts", "workers_per_host", "cpus_per_worker")
+        yield from _positive(self, "num_hosts", "workers_per_host", "cpus_per_worker", "collective_timeout_s")
 
     @property
     def world_size(self) -> int:
