@@ -18,14 +18,9 @@ from tests.helpers.processes import free_ports, session_pids
 BIN = os.path.dirname(sys.executable)
 
 
-@contextlib.contextmanager
-def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None):
-    """A token-auth Ray head in its own session, its processes started with `extra_env`; yields
-    (dashboard address, GCS address, the env of a client holding the token). All of its
-    processes are killed afterwards."""
-    ports = free_ports(12)
-    token = secrets.token_hex(16)
-    temp_dir = f"/tmp/rh-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
+def token_env(token: str, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Ray process or client of a token-auth cluster: this one's, with
+    `extra_env`, the token and the venv's bin first on PATH (jobs find `playbook` there)."""
     env = {
         **os.environ,
         **(extra_env or {}),
@@ -34,14 +29,40 @@ def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None):
         "PATH": f"{BIN}:{os.environ['PATH']}",
     }
     env.pop("RAY_ADDRESS", None)
-    cmd = [
+    return env
+
+
+def node_port_flags(ports: list[int]) -> list[str]:
+    """`ray start` flags giving a node (head or not) ports of its own, from 6 free ports;
+    worker processes take any free port. Without them a second Ray on one machine collides
+    (its job agent never registers: "No available agent to submit job")."""
+    names = (
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+        "--node-manager-port",
+        "--object-manager-port",
+    )
+    flags = [x for name, port in zip(names, ports, strict=True) for x in (name, str(port))]
+    return flags + ["--min-worker-port", "0", "--max-worker-port", "0"]
+
+
+HEAD_PORTS = 9
+"""Ports a head needs: GCS, dashboard, Ray client server and the node's own."""
+
+
+def head_command(temp_dir: str, ports: list[int], num_cpus: int = 2) -> list[str]:
+    """`ray start --head --block` with the dashboard on, its own temp dir and `HEAD_PORTS` ports
+    (GCS `ports[0]`, dashboard `ports[1]`)."""
+    return [
         f"{BIN}/ray",
         "start",
         "--head",
         "--block",
         "--disable-usage-stats",
         "--num-cpus",
-        "2",
+        str(num_cpus),
         "--include-dashboard=true",
         "--temp-dir",
         temp_dir,
@@ -49,41 +70,44 @@ def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None):
         str(ports[0]),
         "--dashboard-port",
         str(ports[1]),
-        "--dashboard-agent-listen-port",
-        str(ports[2]),
-        "--dashboard-agent-grpc-port",
-        str(ports[3]),
-        "--runtime-env-agent-port",
-        str(ports[4]),
-        "--metrics-export-port",
-        str(ports[5]),
         "--ray-client-server-port",
-        str(ports[6]),
-        "--node-manager-port",
-        str(ports[7]),
-        "--object-manager-port",
-        str(ports[8]),
-        "--min-worker-port",
-        "0",
-        "--max-worker-port",
-        "0",
+        str(ports[2]),
+        *node_port_flags(ports[3:HEAD_PORTS]),
     ]
+
+
+def wait_for_dashboard(address: str, proc: subprocess.Popen, log_path, timeout_s: float = 120) -> None:
+    """Return once the dashboard at `address` answers (refusing a client without the token
+    counts); raise with the head log's tail if `proc` ends or `timeout_s` passes first."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"{address}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:  # up, and refusing us without the token
+            return
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                tail = open(log_path).read()[-2000:]
+                raise RuntimeError(f"ray head did not start: {tail}") from None
+            time.sleep(1)
+
+
+@contextlib.contextmanager
+def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None):
+    """A token-auth Ray head in its own session, its processes started with `extra_env`; yields
+    (dashboard address, GCS address, the env of a client holding the token). All of its
+    processes are killed afterwards."""
+    ports = free_ports(HEAD_PORTS)
+    env = token_env(secrets.token_hex(16), extra_env)
+    temp_dir = f"/tmp/rh-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
     log = open(tmp_path / "head.log", "w")
-    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(
+        head_command(temp_dir, ports), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     address = f"http://127.0.0.1:{ports[1]}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{address}/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:  # up, and refusing us without the token
-                break
-            except OSError:
-                if time.time() > deadline or head.poll() is not None:
-                    tail = (tmp_path / "head.log").read_text()[-2000:]
-                    raise RuntimeError(f"ray head did not start: {tail}") from None
-                time.sleep(1)
+        wait_for_dashboard(address, head, tmp_path / "head.log")
         yield address, f"127.0.0.1:{ports[0]}", env
     finally:
         for pid in session_pids(head.pid):
