@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("uri")
     c.add_argument("--count", type=int, help="number of examples (default: the data set's own)")
     c.add_argument("--seed", type=int, default=0, help="seed of everything drawn")
+    c.add_argument("--max-bytes", type=int, help="text only: the corpus's size (default: all of it)")
+    c.add_argument("--seq-len", type=int, help="text only: bytes per sequence (default 256)")
     c.set_defaults(func=cmd_data)
 
     c = sub.add_parser("preprocess", help="preprocess raw parquet offline into shards for a workload")
@@ -363,8 +365,13 @@ def cmd_eval(args) -> int:
 
 def cmd_data(args) -> int:
     from service.core import storage
+    from service.core.errors import DataError
 
-    written = DATASETS[args.dataset](storage.absolute(args.uri), args.count, args.seed)
+    text_only = {"max_bytes": args.max_bytes, "seq_len": args.seq_len}
+    options = {k: v for k, v in text_only.items() if v is not None}
+    if options and args.dataset != "text":
+        raise DataError(f"--{next(iter(options)).replace('_', '-')}: only `playbook data text` takes it")
+    written = DATASETS[args.dataset](storage.absolute(args.uri), args.count, args.seed, **options)
     for split, files in written.items():
         print(f"{split}: {len(files)} files under {storage.join(storage.absolute(args.uri), split)}")
     return 0

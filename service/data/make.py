@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from service.core.errors import DataError
+from service.data import text
 
 Builder = Callable[[str, "int | None", int], dict[str, list[str]]]
 
@@ -30,4 +31,5 @@ def images(uri: str, count: int | None, seed: int) -> dict[str, list[str]]:
 DATASETS: dict[str, Builder] = {
     "digits": digits,
     "images": images,
+    "text": text.build,
 }
