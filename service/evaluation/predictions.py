@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from service.core import storage
+from service.trainer import fence
 
 
 class PredictionLog:
@@ -93,4 +94,5 @@ def write(uri: str, rows: dict[str, np.ndarray], split: str, step: int) -> None:
     )
     buf = io.BytesIO()
     pq.write_table(table, buf)
+    fence.check(uri)
     storage.write_bytes_atomic(uri, buf.getvalue())

@@ -18,7 +18,7 @@ import ray.tune
 import torch
 
 from service.planning.trial import TrialPlan
-from service.trainer import loop
+from service.trainer import fence, loop
 from service.trainer.checkpoint import TrialState
 from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
 from service.trainer.topology import Topology
@@ -46,6 +46,7 @@ def train_in_trial(plan: TrialPlan, batch_source: loop.BatchSource | None) -> li
     """Train (or resume) the trial in this process; returns its kept checkpoints (URI, meta)."""
     scaling, tr = plan.study.scaling, plan.study.training
     torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
+    fence.claim(plan.trial_uri)  # a stranded earlier attempt of this trial writes nothing from now on
     store = trial_store(plan)
     saver = AsyncCheckpointer(store) if tr.async_checkpoint else SyncCheckpointer(store)
     topo = Topology(node_id=ray.get_runtime_context().get_node_id())

@@ -29,7 +29,7 @@ from service.orchestration.tune_run import is_fast_path
 from service.planning.trial import TrialPlan
 from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
-from service.trainer import checkpoint, loop
+from service.trainer import checkpoint, fence, loop
 from service.trainer.checkpoint import TrialState
 from service.trainer.topology import Topology, placement
 
@@ -41,9 +41,16 @@ log: torch's notice about the DDP argument the loop passes on purpose (see `trai
 
 class RayTrainReporter:
     """`loop.Reporter` on Ray Train: reports are barriers across ranks; rank 0 alone passes a
-    checkpoint directory, which Ray persists to the trial's storage and ranks for retention."""
+    checkpoint directory, which Ray persists to the trial's storage and ranks for retention.
+    Rank 0 holds the worker group's attempt at the trial (`trainer.fence`): a group that a later
+    one superseded uploads no checkpoint."""
+
+    def __init__(self, attempt: fence.Attempt | None = None):
+        self.attempt = attempt
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir and self.attempt is not None:
+            self.attempt.check("checkpoint")
         ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ray.train.report(metrics, checkpoint=ckpt)
 
@@ -163,7 +170,9 @@ def train_worker(config: dict) -> None:
     quiet_exit_on_sigterm()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
-    loop.train(plan, topo, RayTrainReporter(), ray.train.torch.get_device(), batch_source(plan.study))
+    attempt = fence.claim(plan.trial_uri) if topo.is_rank0 else None  # rank 0 claims for the group
+    reporter = RayTrainReporter(attempt)
+    loop.train(plan, topo, reporter, ray.train.torch.get_device(), batch_source(plan.study))
 
 
 def batch_source(study: Study) -> loop.BatchSource | None:

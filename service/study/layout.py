@@ -19,6 +19,7 @@ through the same layout, so a name here never changes.
             metrics.jsonl                 rank 0's log, one row per evaluation
             topology.json                 where each rank ran
             error.txt                     a failed trial's error
+            attempt.json                  the trial's current attempt (`trainer.fence`)
             predictions/<split>-step<step>.parquet
             profile/rank0.trace.json      the profiled steps (input.profile_steps)
             checkpoint_*/                 checkpoints (the fast path's: checkpoint_<step>; the
@@ -198,6 +199,11 @@ class TrialLayout:
     @property
     def error_file(self) -> str:
         return storage.join(self.uri, "error.txt")
+
+    @property
+    def attempt(self) -> str:
+        """The trial's current attempt: a stranded older attempt's writes are refused."""
+        return storage.join(self.uri, "attempt.json")
 
     @property
     def profile_trace(self) -> str:

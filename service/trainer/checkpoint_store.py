@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 from service.core import storage
 from service.core.ranking import rank
 from service.study.layout import CHECKPOINT_PREFIX, TrialLayout, checkpoint_name
-from service.trainer import checkpoint
+from service.trainer import checkpoint, fence
 from service.trainer.checkpoint import TrialState
 
 PARTIAL = ".partial-"
@@ -62,21 +62,27 @@ class CheckpointStore:
         return TrialLayout(self.trial_uri).checkpoint(step)
 
     def save(self, state: TrialState, metrics: dict) -> str:
-        """Write `state` as the checkpoint of its step, then drop what retention no longer keeps."""
+        """Write `state` as the checkpoint of its step, then drop what retention no longer keeps.
+        A stale attempt at the trial (`trainer.fence`) writes nothing, and commits nothing when a
+        later attempt claimed the trial while it was writing."""
+        fence.check(self.uri(state.step))
         name = checkpoint_name(state.step)
         final = posixpath.join(self.path, name)
         if self.local:
             partial = posixpath.join(self.path, f"{PARTIAL}{name}-{uuid.uuid4().hex[:8]}")
             checkpoint.save(state, partial, metrics)
+            fence.check(self.uri(state.step))  # a stale attempt commits nothing
             if os.path.exists(final):  # a re-save of the same step after a resume
                 self._delete(name)
             os.rename(partial, final)
         else:
             with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
                 checkpoint.save(state, tmp, metrics)
+                fence.check(self.uri(state.step))
                 self.fs.makedirs(final, exist_ok=True)
                 self.fs.put_file(os.path.join(tmp, checkpoint.STATE_FILE), f"{final}/{checkpoint.STATE_FILE}")
                 self.fs.put_file(os.path.join(tmp, checkpoint.META_FILE), f"{final}/{checkpoint.META_FILE}")
+                fence.check(self.uri(state.step))  # the manifest commits it
                 self.fs.put_file(
                     os.path.join(tmp, checkpoint.MANIFEST_FILE), f"{final}/{checkpoint.MANIFEST_FILE}"
                 )
@@ -122,6 +128,7 @@ class CheckpointStore:
                 self._delete(posixpath.basename(uri))
 
     def _delete(self, name: str) -> None:
+        fence.check(storage.join(self.trial_uri, name))
         path = posixpath.join(self.path, name)
         if self.local:
             away = posixpath.join(self.path, f".deleting-{name}-{uuid.uuid4().hex[:8]}")

@@ -16,6 +16,7 @@ import json
 import math
 
 from service.core import storage
+from service.trainer import fence
 
 
 def finite_or_none(v):
@@ -39,6 +40,7 @@ class MetricsLog:
 
     def write(self, history: list[dict]) -> None:
         """The log holds `history` after this (rows already written are not written again)."""
+        fence.check(self.uri)
         if 0 < self.rows <= len(history):
             new = encode(history[self.rows :])
             try:

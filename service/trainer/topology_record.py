@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from service.core import storage
+from service.trainer import fence
 from service.trainer.topology import Topology
 
 
@@ -68,6 +69,7 @@ def write(uri: str, trial_name: str, requested_hosts: int, records: list[dict]) 
             f"{requested_hosts}; data was sharded over the {hosts} actual host(s)",
             flush=True,
         )
+    fence.check(uri)
     storage.write_json(
         uri,
         {"trial_name": trial_name, "requested_hosts": requested_hosts, "num_hosts": hosts, "ranks": records},
