@@ -3,6 +3,7 @@ after each round and saves to `<study>/verdicts.json`)."""
 
 from __future__ import annotations
 
+from service.analysis import curves
 from service.analysis.input_bound import row_verdicts
 from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
@@ -10,20 +11,31 @@ from service.analysis.verdicts import Verdict
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
 from service.study.spec import Study
+from service.trainer import metrics_log
 
 
 def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
-    """The round's verdicts (`round_checks.verdicts_for_round`), its trials' input-bound ones
-    and the scientific comparison."""
+    """The round's verdicts (`round_checks.verdicts_for_round`), its trials' input-bound ones,
+    its training curves' (read from the trials' metrics logs) and the scientific comparison."""
     mine = [r for r in rows if r.get("round") == round_name]
     verdicts = verdicts_for_round(study, round_name, rows)
     verdicts += row_verdicts(mine)
+    verdicts += curve_verdicts(study, mine)
     groups = best_per_scientific(mine, study.search, study.training.mode)
     if next(r.kind for r in study.rounds if r.name == round_name) == "extend":
         sentence = repeats_sentence(mine, study.training.metric, study.training.mode)
     else:
         sentence = summary_sentence(groups, study.training.metric) if groups else ""
     return {"round": round_name, "verdicts": [as_dict(v) for v in verdicts], "scientific": sentence}
+
+
+def curve_verdicts(study: Study, rows: list[dict]) -> list[Verdict]:
+    """`curves.round_verdicts` of these trial rows, their histories read from storage."""
+    histories = {
+        r["trial_name"]: metrics_log.read(study.layout.trial(r["trial_name"]).metrics_log) for r in rows
+    }
+    tr = study.training
+    return curves.round_verdicts(rows, histories, tr.metric, tr.mode, study.curves)
 
 
 def repeats_sentence(rows: list[dict], metric: str, mode: str) -> str:

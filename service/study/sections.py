@@ -1,6 +1,6 @@
 """Study-file sections that belong to one practice each: the input pipeline (`input:`), the
-max_train_steps finder (`find_steps:`), tracking (`tracking:`) and the training budget
-(`budget:`). `service.study.spec` assembles
+max_train_steps finder (`find_steps:`), tracking (`tracking:`), the training budget
+(`budget:`) and the training-curve thresholds (`curves:`). `service.study.spec` assembles
 them into the Study; the strict loader treats them like every other section."""
 
 from __future__ import annotations
@@ -142,3 +142,51 @@ class Budget:
                 f"the rounds plan {total} training steps (num_trials x max_train_steps, summed), "
                 f"more than the budget of {self.max_total_steps}",
             )
+
+
+FRACTION_FIELDS = (
+    "tail_fraction", "overfit_rise", "noise_ratio", "still_improving", "saturated_by",
+    "saturation_tolerance", "loss_rise", "early_fraction",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Curves:
+    """Thresholds of the training-curve verdicts (`service/analysis/curves.py`, each rule in
+    docs/verdicts.md). A curve's *improvement* is its first evaluation's value minus its best
+    one (the metric's mode says which is best); a fraction of improvement measures a change
+    against it, so one threshold fits any metric's scale."""
+
+    tail_fraction: float = 0.25
+    """"Late in training" and "at the end": the evaluations after the first
+    (1 - tail_fraction) x max_train_steps steps."""
+    overfit_rise: float = 0.1
+    """Overfitting: after its best evaluation the validation metric ends worse than that best by
+    more than this fraction of its improvement, while the training loss still fell."""
+    noise_ratio: float = 0.1
+    """Late noise: the standard deviation of the step-to-step changes of a curve over the tail
+    is more than this fraction of the curve's improvement."""
+    still_improving: float = 0.05
+    """Still improving: the tail improved the metric's best by more than this fraction of its
+    whole improvement (train longer)."""
+    saturated_by: float = 0.5
+    """Saturated early: the metric and the training loss were both within
+    `saturation_tolerance` of their best by this fraction of training (steps wasted)."""
+    saturation_tolerance: float = 0.02
+    """How close to its best (a fraction of its improvement) counts as saturated."""
+    loss_rise: float = 0.1
+    """Training loss rising: it ends above its lowest value by more than this fraction of its
+    improvement."""
+    early_fraction: float = 0.2
+    """"Early in training" for instability: the first early_fraction x max_train_steps steps."""
+    spike_ratio: float = 1.5
+    """An early loss spike: an evaluation's training loss above spike_ratio times the lowest one
+    before it (or a divergence in that window)."""
+
+    def errors(self):
+        for name in FRACTION_FIELDS:
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                yield name, f"must be in (0, 1) (got {value})"
+        if not self.spike_ratio > 1:
+            yield "spike_ratio", f"must be > 1 (got {self.spike_ratio})"

@@ -19,7 +19,7 @@ import yaml
 from service.core import storage
 from service.core.errors import SpecError
 from service.study.layout import StudyLayout
-from service.study.sections import Budget, FindSteps, InputPipeline, Tracking
+from service.study.sections import Budget, Curves, FindSteps, InputPipeline, Tracking
 from service.study.strict import Scalar, build, load_yaml
 from service.study.strict import non_negative as _non_negative
 from service.study.strict import positive as _positive
@@ -337,6 +337,8 @@ class Study:
     """Progress lines and the optional MLflow mirror."""
     budget: Budget | None = None
     """Compute-bound or not, and the compute-bound study's budget (unset: not said)."""
+    curves: Curves = field(default_factory=Curves)
+    """Thresholds of the training-curve verdicts (overfitting, late noise, still improving, ...)."""
 
     def errors(self):
         if not NAME_RE.match(self.name):

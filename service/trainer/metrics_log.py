@@ -53,3 +53,11 @@ class MetricsLog:
         whole = encode(history)
         storage.write_bytes_atomic(self.uri, whole)
         self.rows, self.size = len(history), len(whole)
+
+
+def read(uri: str) -> list[dict]:
+    """A trial's logged evaluations in step order (non-finite values are None); [] when the
+    trial logged none."""
+    if not storage.exists(uri):
+        return []
+    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]

@@ -1,0 +1,448 @@
+"""Training-curve verdicts: the playbook's "check the training curves at the end of training"
+(periodic evaluation exists for it), read from each trial's metrics log.
+
+Per trial (`trial_verdicts`), from its evaluations in step order, with the thresholds of the
+study file's `curves:` section (`service.study.sections.Curves`):
+
+* `overfitting` -- the validation metric worsens after its best evaluation while the training
+  loss still falls ("training longer ... can even overfit"); the onset is the best step;
+* `late_noise` -- high step-to-step variance late in training (it blurs the comparison of
+  trials at their best checkpoints);
+* `still_improving` -- the metric still improved over the last part of training: train longer;
+* `saturated_early` -- metric and training loss both flat long before the end: steps wasted;
+* `training_loss_rising` -- the training loss ends well above its lowest value;
+* `early_instability` -- a training-loss spike (or a divergence) early in training: the
+  playbook's early-training instability, cured by warmup ("warmup length ... transfers");
+* `clipping` -- from the logged gradient norms (`train/grad_norm`, `train/clipped_fraction`,
+  written when `grad_clip_norm` is set): the 90th percentile of the norms as a clipping
+  threshold, and a warning when more than half of the updates were clipped.
+
+Per round (`round_verdicts`): one verdict per kind that fired, naming its trials (the best
+ranked first) with the evidence of the first; the best trial's clipping threshold; or one ok
+verdict when no curve warns. Each rule as applied: docs/verdicts.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.analysis.verdicts import OK, WARNING, Verdict, as_number, make_verdict, percent, trial_count
+from service.core.formatting import fmt
+from service.core.ranking import ranked_results
+from service.core.trial_status import TrialStatus
+from service.study.sections import Curves
+
+TRAIN_LOSS, GRAD_NORM, CLIPPED = "train/loss", "train/grad_norm", "train/clipped_fraction"
+CLIP_PERCENTILE = 90
+"""The suggested clipping threshold: this percentile of the logged gradient norms."""
+CLIPPED_MAJORITY = 0.5
+"""More than this fraction of the updates clipped: the clip sets the step size."""
+KINDS = (
+    "overfitting", "late_noise", "still_improving", "saturated_early", "training_loss_rising",
+    "early_instability", "clipping",
+)  # fmt: skip
+NAMES_SHOWN = 8
+"""A round verdict names at most this many trials (and counts the rest)."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One logged quantity of a trial against step: its finite evaluations in step order.
+    `sign` turns values into losses (lower is better): +1 for mode min, -1 for mode max."""
+
+    key: str
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+    sign: int = 1
+
+    @classmethod
+    def of(cls, history: Sequence[Mapping[str, Any]], key: str, mode: str = "min") -> Curve:
+        points = [
+            (int(h["step"]), v)
+            for h in history
+            if (v := as_number(h.get(key))) is not None and as_number(h.get("step")) is not None
+        ]
+        steps, values = zip(*points, strict=True) if points else ((), ())
+        return cls(key, tuple(steps), tuple(values), 1 if mode == "min" else -1)
+
+    @property
+    def losses(self) -> np.ndarray:
+        return self.sign * np.asarray(self.values, dtype=float)
+
+    @property
+    def improvement(self) -> float:
+        """How much better than its first evaluation its best one is (0 if none is)."""
+        return float(self.losses[0] - self.losses.min()) if self.values else 0.0
+
+    def best_index(self) -> int:
+        """The last evaluation at the best value."""
+        losses = self.losses
+        return int(np.flatnonzero(losses == losses.min())[-1])
+
+    def at(self, i: int) -> str:
+        return f"{fmt(self.values[i])} at step {self.steps[i]}"
+
+
+@dataclass(frozen=True)
+class TrialCurves:
+    """What the per-trial checks read: the trial, its length, its metric and training-loss
+    curves, and its history (for the gradient norms)."""
+
+    name: str
+    max_train_steps: int
+    metric: Curve
+    train: Curve
+    history: Sequence[Mapping[str, Any]]
+    row: Mapping[str, Any]
+
+    def tail(self, th: Curves, curve: Curve) -> tuple[list[int], list[int]]:
+        """Indices of `curve`'s evaluations up to (1 - tail_fraction) x max_train_steps, and after."""
+        start = (1 - th.tail_fraction) * self.max_train_steps
+        before = [i for i, s in enumerate(curve.steps) if s <= start]
+        return before, [i for i, s in enumerate(curve.steps) if s > start]
+
+
+def trial_curves(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], metric: str, mode: str):
+    """The `TrialCurves` of a trial row and its metrics log."""
+    total = as_number(row.get("max_train_steps")) or max([int(h.get("step") or 0) for h in history] or [1])
+    return TrialCurves(
+        str(row["trial_name"]),
+        int(total),
+        Curve.of(history, metric, mode),
+        Curve.of(history, TRAIN_LOSS),
+        history,
+        row,
+    )
+
+
+# ----------------------------------------------------------------------------- curve shapes
+
+
+def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
+    """The metric ends worse than its best by more than `overfit_rise` of its improvement, and
+    the training loss at the end is lower than at the metric's best step."""
+    m, train = t.metric, dict(zip(t.train.steps, t.train.values, strict=True))
+    if len(m.values) < 2 or m.improvement <= 0:
+        return None
+    b, last = m.best_index(), len(m.values) - 1
+    rise = float(m.losses[last] - m.losses[b])
+    loss_then, loss_end = train.get(m.steps[b]), train.get(m.steps[last])
+    if b == last or rise <= th.overfit_rise * m.improvement or loss_then is None or loss_end is None:
+        return None
+    if not loss_end < loss_then:
+        return None
+    return make_verdict(
+        "overfitting",
+        t.name,
+        WARNING,
+        f"{t.name} overfits from step {m.steps[b]}: {m.key} is best there ({fmt(m.values[b])}) and ends at "
+        f"{m.at(last)}, giving back {percent(rise / m.improvement)} of its improvement, while {TRAIN_LOSS} "
+        f"still fell from {fmt(loss_then)} to {fmt(loss_end)}: more regularization or data augmentation "
+        "(or fewer steps) would help.",
+        trial_name=t.name,
+        onset_step=m.steps[b],
+        best_value=m.values[b],
+        last_step=m.steps[last],
+        last_value=m.values[last],
+        train_loss_at_onset=loss_then,
+        train_loss_last=loss_end,
+    )
+
+
+def late_noise(t: TrialCurves, th: Curves) -> Verdict | None:
+    """Over the tail's evaluations (at least 3), the standard deviation (ddof 1) of the
+    step-to-step changes of the metric or the training loss is more than `noise_ratio` of
+    that curve's improvement."""
+    noisy = []
+    for curve in (t.metric, t.train):
+        _, tail = t.tail(th, curve)
+        if len(tail) < 3 or curve.improvement <= 0:
+            continue
+        sd = float(np.std(np.diff(np.asarray(curve.values)[tail]), ddof=1))
+        if sd > th.noise_ratio * curve.improvement:
+            noisy.append((curve, tail, sd))
+    if not noisy:
+        return None
+    said = "; ".join(
+        f"{c.key} changes by {fmt(sd)} (standard deviation) between evaluations from step {c.steps[tail[0]]} "
+        f"on, {percent(sd / c.improvement)} of its improvement {fmt(c.improvement)}"
+        for c, tail, sd in noisy
+    )
+    return make_verdict(
+        "late_noise",
+        t.name,
+        WARNING,
+        f"{t.name} is noisy late in training: {said}. Its best checkpoint is partly luck; a larger batch, "
+        "a lower final learning rate or more frequent evaluation would steady the comparison.",
+        trial_name=t.name,
+        curves=tuple(c.key for c, _, _ in noisy),
+        change_sd=tuple(sd for _, _, sd in noisy),
+        from_step=tuple(c.steps[tail[0]] for c, tail, _ in noisy),
+    )
+
+
+def still_improving(t: TrialCurves, th: Curves) -> Verdict | None:
+    """The metric's best over the tail beats its best before the tail by more than
+    `still_improving` of its whole improvement."""
+    m = t.metric
+    before, tail = t.tail(th, m)
+    if not before or not tail or m.improvement <= 0:
+        return None
+    i = before[int(np.argmin(m.losses[before]))]
+    j = tail[int(np.argmin(m.losses[tail]))]
+    gain = float(m.losses[i] - m.losses[j])
+    if gain <= th.still_improving * m.improvement:
+        return None
+    return make_verdict(
+        "still_improving",
+        t.name,
+        WARNING,
+        f"{t.name} is still improving at the end: {m.key}'s best went from {m.at(i)} to {m.at(j)} in the "
+        f"last {percent(th.tail_fraction)} of its {t.max_train_steps} steps, {percent(gain / m.improvement)} "
+        "of its whole improvement: train longer.",
+        trial_name=t.name,
+        before_step=m.steps[i],
+        before_value=m.values[i],
+        tail_step=m.steps[j],
+        tail_value=m.values[j],
+        tail_share=gain / m.improvement,
+    )
+
+
+def saturation_step(curve: Curve, th: Curves) -> int | None:
+    """The first step at which `curve` is within `saturation_tolerance` of its improvement of
+    its best value (None for a curve that never improved)."""
+    if len(curve.values) < 2 or curve.improvement <= 0:
+        return None
+    near = curve.losses <= curve.losses.min() + th.saturation_tolerance * curve.improvement
+    return curve.steps[int(np.argmax(near))]
+
+
+def saturated_early(t: TrialCurves, th: Curves) -> Verdict | None:
+    """The metric and the training loss (when logged) were both within `saturation_tolerance`
+    of their best by `saturated_by` x max_train_steps."""
+    curves = [c for c in (t.metric, t.train) if c.values]
+    steps = [saturation_step(c, th) for c in curves]
+    limit = th.saturated_by * t.max_train_steps
+    if not curves or any(s is None or s > limit for s in steps):
+        return None
+    said = ", ".join(f"{c.key} by step {s}" for c, s in zip(curves, steps, strict=True))
+    return make_verdict(
+        "saturated_early",
+        t.name,
+        WARNING,
+        f"{t.name} saturated early: within {percent(th.saturation_tolerance)} of their best {said}, of "
+        f"{t.max_train_steps} steps; the steps after step {max(steps)} changed little (a lower "
+        "max_train_steps would do).",
+        trial_name=t.name,
+        curves=tuple(c.key for c in curves),
+        saturation_steps=tuple(steps),
+    )
+
+
+def training_loss_rising(t: TrialCurves, th: Curves) -> Verdict | None:
+    """The training loss ends above its lowest value by more than `loss_rise` of its fall."""
+    c = t.train
+    if len(c.values) < 2:
+        return None
+    low, last = int(np.argmin(c.losses)), len(c.values) - 1
+    rise = c.values[last] - c.values[low]
+    if low == last or rise <= 0 or rise <= th.loss_rise * c.improvement:
+        return None
+    share = f", {percent(rise / c.improvement)} of its fall" if c.improvement > 0 else ""
+    return make_verdict(
+        "training_loss_rising",
+        t.name,
+        WARNING,
+        f"{t.name}'s training loss rises: lowest {c.at(low)}, then {c.at(last)} (up {fmt(rise)}{share}): "
+        "a learning rate too high for the late schedule, or a bug in the pipeline.",
+        trial_name=t.name,
+        low_step=c.steps[low],
+        low_value=c.values[low],
+        last_step=c.steps[last],
+        last_value=c.values[last],
+    )
+
+
+# ----------------------------------------------------------------------------- optimization
+
+
+def early_instability(t: TrialCurves, th: Curves) -> Verdict | None:
+    """In the first `early_fraction` x max_train_steps steps: a divergence, or the first
+    evaluation whose training loss is above `spike_ratio` times the lowest before it."""
+    window = th.early_fraction * t.max_train_steps
+    advice = "early instability; a learning-rate warmup (or a longer one) usually cures it."
+    where = f"in the first {percent(th.early_fraction)} of its {t.max_train_steps} steps"
+    diverged_at = as_number(t.row.get("diverged_at_step"))
+    if t.row.get("status") == TrialStatus.DIVERGED and diverged_at is not None and diverged_at <= window:
+        message = f"{t.name} diverged at step {int(diverged_at)}, {where}: {advice}"
+        return make_verdict(
+            "early_instability", t.name, WARNING, message, trial_name=t.name, step=int(diverged_at)
+        )
+    c = t.train
+    for i in range(1, len(c.values)):
+        if c.steps[i] > window:
+            break
+        low = int(np.argmin(c.values[:i]))
+        if c.values[low] > 0 and c.values[i] > th.spike_ratio * c.values[low]:
+            return make_verdict(
+                "early_instability",
+                t.name,
+                WARNING,
+                f"{t.name}'s training loss spiked {where}: {c.at(i)} against {c.at(low)} "
+                f"({fmt(c.values[i] / c.values[low])} times): {advice}",
+                trial_name=t.name,
+                step=c.steps[i],
+                value=c.values[i],
+                low_step=c.steps[low],
+                low_value=c.values[low],
+            )
+    return None
+
+
+def clipped_updates(history: Sequence[Mapping[str, Any]]) -> tuple[float, int]:
+    """(updates clipped, updates) over the evaluations that logged a clipped fraction: each
+    eval row's fraction times the steps of its interval (since the previous row)."""
+    clipped, updates, previous = 0.0, 0, 0
+    for h in history:
+        step, fraction = as_number(h.get("step")), as_number(h.get(CLIPPED))
+        if step is None:
+            continue
+        if fraction is not None:
+            clipped += fraction * (step - previous)
+            updates += int(step - previous)
+        previous = int(step)
+    return clipped, updates
+
+
+def clipping(t: TrialCurves, th: Curves | None = None) -> Verdict | None:
+    """The 90th percentile of the logged gradient norms (each an eval interval's mean norm
+    before clipping; numpy's linear interpolation) as the suggested `grad_clip_norm`; a
+    warning when more than half of the updates were clipped. None without logged norms."""
+    norms = Curve.of(t.history, GRAD_NORM).values
+    if not norms:
+        return None
+    p90 = float(np.percentile(norms, CLIP_PERCENTILE))
+    clipped, updates = clipped_updates(t.history)
+    share = clipped / updates if updates else 0.0
+    severity = WARNING if share > CLIPPED_MAJORITY else OK
+    return make_verdict(
+        "clipping",
+        t.name,
+        severity,
+        _clip_message(t.name, p90, clipped, updates),
+        trial_name=t.name,
+        suggested_clip=p90,
+        clipped_share=share,
+        clipped_updates=clipped,
+        updates=updates,
+        num_norms=len(norms),
+    )
+
+
+def _clip_message(name: str, p90: float, clipped: float, updates: int) -> str:
+    share = clipped / updates if updates else 0.0
+    said = f"{percent(share)} of its updates were clipped ({round(clipped)} of {updates})"
+    if share > CLIPPED_MAJORITY:
+        return (
+            f"{name}: {said}, more than half: the clip, not the gradient, sets the step size; raise "
+            f"grad_clip_norm towards {fmt(p90)} (the 90th percentile of its logged gradient norms) or "
+            "lower the learning rate."
+        )
+    return (
+        f"{name}: the 90th percentile of its logged gradient norms (eval-interval means, before clipping) "
+        f"is {fmt(p90)}, the clipping threshold to try; {said}."
+    )
+
+
+# ----------------------------------------------------------------------------- per trial, per round
+
+SHAPE_CHECKS = (overfitting, late_noise, still_improving, saturated_early, training_loss_rising)
+"""Read the whole curve: only for FINISHED trials (a diverged trial's curve is cut short)."""
+
+
+def trial_verdicts(
+    row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], metric: str, mode: str, th: Curves
+) -> list[Verdict]:
+    """A FINISHED or DIVERGED trial's curve verdicts, in the order of `KINDS` (others: none)."""
+    status = row.get("status")
+    if status not in (TrialStatus.FINISHED, TrialStatus.DIVERGED):
+        return []
+    t = trial_curves(row, history, metric, mode)
+    checks = (*(SHAPE_CHECKS if status == TrialStatus.FINISHED else ()), early_instability, clipping)
+    return [v for check in checks if (v := check(t, th)) is not None]
+
+
+def round_verdicts(
+    rows: Sequence[Mapping[str, Any]],
+    histories: Mapping[str, Sequence[Mapping[str, Any]]],
+    metric: str,
+    mode: str,
+    th: Curves,
+) -> list[Verdict]:
+    """A round's curve verdicts: per kind that warned, one verdict naming its trials (best
+    ranked first, then the rest by name); the best trial's clipping threshold; an ok verdict
+    when nothing warned. Nothing for a round without FINISHED or DIVERGED trials."""
+    ranked = [str(r["trial_name"]) for r in ranked_results(rows, mode)]
+    order = ranked + sorted(str(r["trial_name"]) for r in rows if str(r["trial_name"]) not in ranked)
+    by_name = {str(r["trial_name"]): r for r in rows}
+    found = {n: trial_verdicts(by_name[n], histories.get(n, []), metric, mode, th) for n in order}
+    judged = [n for n in order if by_name[n].get("status") in (TrialStatus.FINISHED, TrialStatus.DIVERGED)]
+    if not judged:
+        return []
+    out = []
+    for kind in KINDS:
+        hits = [v for n in order for v in found[n] if v.kind == kind and v.is_warning]
+        if hits:
+            out.append(_kind_summary(kind, hits, len(judged), ranked[0] if ranked else None))
+    if not out:
+        out.append(_all_clear(len(judged)))
+    best_clip = next((v for v in found[ranked[0]] if v.kind == "clipping"), None) if ranked else None
+    if best_clip is not None:
+        out.append(_clip_threshold(best_clip))
+    return out
+
+
+def _kind_summary(kind: str, hits: list[Verdict], judged: int, best: str | None) -> Verdict:
+    names = [v.subject for v in hits]
+    shown = ", ".join(names[:NAMES_SHOWN]) + (
+        f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+    )
+    best_note = f" (the best trial, {best}, among them)" if best in names else ""
+    return make_verdict(
+        kind,
+        "study",
+        WARNING,
+        f"{kind.replace('_', ' ').capitalize()} in {len(hits)} of {trial_count(judged)}: {shown}{best_note}. "
+        f"{hits[0].message}",
+        trials=tuple(names),
+        num_trials=judged,
+    )
+
+
+def _all_clear(judged: int) -> Verdict:
+    return make_verdict(
+        "training_curves",
+        "study",
+        OK,
+        f"The training curves of the {trial_count(judged)} show no overfitting, late noise, late "
+        "improvement, early saturation, rising training loss, early instability or mostly clipped updates.",
+        num_trials=judged,
+    )
+
+
+def _clip_threshold(v: Verdict) -> Verdict:
+    facts = v.facts
+    return make_verdict(
+        "clip_threshold",
+        "study",
+        OK,
+        f"Suggested grad_clip_norm: {fmt(facts['suggested_clip'])}, the 90th percentile of the best trial "
+        f"{v.subject}'s {facts['num_norms']} logged gradient norms (eval-interval means, before clipping).",
+        trial_name=v.subject,
+        suggested_clip=facts["suggested_clip"],
+    )

@@ -1,0 +1,226 @@
+"""Training-curve and optimization verdicts (service/analysis/curves.py) on hand-made metric
+histories whose answers are worked out by hand: an overfitting curve and its onset step, a
+curve still improving, a noisy tail, a saturated curve, a rising training loss, an early loss
+spike and an early divergence, the clipping threshold and the clipped share; the round's
+verdicts, the thresholds read from the study file, and the round verdicts read from the
+metrics logs a study stored."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from service.analysis import curves
+from service.analysis.report_lines import round_verdicts
+from service.core.errors import SpecError
+from service.study import spec
+from service.study.sections import Curves
+from tests.helpers.studies import MINIMAL_STUDY, make_study
+
+TH = Curves()
+STEPS = list(range(10, 101, 10))  # ten evaluations of a 100-step trial
+
+
+def history(metric: list[float], train: list[float], steps=STEPS, key="validation/loss") -> list[dict]:
+    return [{"step": s, key: m, "train/loss": t} for s, m, t in zip(steps, metric, train, strict=True)]
+
+
+def row(name="t-0", status="FINISHED", total=100, **extra) -> dict:
+    return {"trial_name": name, "status": status, "max_train_steps": total, **extra}
+
+
+def verdicts(h, r=None, metric="validation/loss", mode="min", th=TH) -> dict:
+    return {v.kind: v for v in curves.trial_verdicts(r or row(), h, metric, mode, th)}
+
+
+FALLING = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05]
+OVERFIT = [1.0, 0.6, 0.4, 0.3, 0.25, 0.27, 0.3, 0.34, 0.38, 0.42]
+"""Best 0.25 at step 50; improvement 0.75; ends 0.17 worse (22.7% of it, over the 10%)."""
+
+
+def test_overfitting_names_its_onset_step_and_the_evidence():
+    v = verdicts(history(OVERFIT, FALLING))["overfitting"]
+    assert v.is_warning and v.subject == "t-0"
+    f = v.facts
+    assert (f["onset_step"], f["best_value"], f["last_step"], f["last_value"]) == (50, 0.25, 100, 0.42)
+    assert (f["train_loss_at_onset"], f["train_loss_last"]) == (0.4, 0.05)
+    assert "overfits from step 50" in v.message and "22.7%" in v.message
+
+
+def test_overfitting_starts_where_the_curve_leaves_its_best_plateau():
+    plateau = [1.0, 0.6, 0.4, 0.3, 0.25, 0.25, 0.3, 0.34, 0.38, 0.42]  # best at steps 50 and 60
+    assert verdicts(history(plateau, FALLING))["overfitting"].facts["onset_step"] == 60
+
+
+def test_overfitting_on_a_metric_to_maximize():
+    accuracy = [1 - x for x in OVERFIT]
+    v = verdicts(
+        history(accuracy, FALLING, key="validation/accuracy"), metric="validation/accuracy", mode="max"
+    )
+    assert v["overfitting"].facts["onset_step"] == 50
+
+
+def test_no_overfitting_within_the_threshold_or_when_training_loss_rises_too():
+    within = OVERFIT[:-1] + [0.32]  # 0.07 worse: 9.3% of 0.75, under the 10%
+    assert "overfitting" not in verdicts(history(within, FALLING))
+    assert "overfitting" in verdicts(history(within, FALLING), th=Curves(overfit_rise=0.09))
+    assert "overfitting" not in verdicts(history(OVERFIT, FALLING), th=Curves(overfit_rise=0.3))
+    rising = FALLING[:5] + [0.45, 0.5, 0.55, 0.6, 0.65]  # training got worse as well
+    assert "overfitting" not in verdicts(history(OVERFIT, rising))
+
+
+LINEAR = [1.0 - 0.09 * i for i in range(10)]
+"""Still falling steadily: best before the last 25% (steps <= 75) 0.46 at step 70, at the end
+0.19 at step 100: 0.27 of the improvement 0.81 (33.3%)."""
+
+
+def test_a_curve_still_improving_says_train_longer():
+    found = verdicts(history(LINEAR, FALLING))
+    f = found["still_improving"].facts
+    assert (f["before_step"], f["tail_step"]) == (70, 100)
+    assert f["before_value"] == pytest.approx(0.46) and f["tail_value"] == pytest.approx(0.19)
+    assert f["tail_share"] == pytest.approx(0.27 / 0.81)
+    assert "train longer" in found["still_improving"].message
+    # a steady trend is not noise, and it is not saturated
+    assert "late_noise" not in found and "saturated_early" not in found
+
+
+def test_a_flat_tail_is_not_still_improving():
+    flat = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3, 0.3]
+    assert "still_improving" not in verdicts(history(flat, FALLING))
+
+
+NOISY = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.35, 0.4, 0.3, 0.4]
+"""Tail (steps 80, 90, 100): 0.4, 0.3, 0.4, changes -0.1 and +0.1: standard deviation (ddof 1)
+sqrt(0.01 + 0.01) = 0.1414, 20.2% of the improvement 0.7."""
+
+
+def test_a_noisy_tail_warns_with_the_spread_of_its_changes():
+    v = verdicts(history(NOISY, FALLING))["late_noise"]
+    f = v.facts
+    assert f["curves"] == ("validation/loss",) and f["from_step"] == (80,)
+    assert f["change_sd"][0] == pytest.approx(0.02**0.5)
+    assert "20.2%" in v.message
+    assert "late_noise" not in verdicts(history(NOISY, FALLING), th=Curves(noise_ratio=0.25))
+
+
+SATURATED = [1.0, 0.3, 0.201, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]
+SATURATED_TRAIN = [1.0, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+"""Within 2% of the improvement (0.016 and 0.018) of their best at step 30, of 100."""
+
+
+def test_a_saturated_curve_says_steps_were_wasted():
+    found = verdicts(history(SATURATED, SATURATED_TRAIN))
+    assert found["saturated_early"].facts["saturation_steps"] == (30, 30)
+    assert set(found) == {"saturated_early"}  # flat: no noise, no late gain, no rise, no overfitting
+    # the training loss still falling to the end: not saturated
+    assert "saturated_early" not in verdicts(history(SATURATED, FALLING))
+    # saturated at step 30 is not before 25% of training
+    assert "saturated_early" not in verdicts(
+        history(SATURATED, SATURATED_TRAIN), th=Curves(saturated_by=0.25)
+    )
+
+
+def test_a_rising_training_loss_names_its_lowest_step():
+    train = [1.0, 0.5, 0.3, 0.35, 0.45, 0.6, 0.62, 0.64, 0.66, 0.68]
+    v = verdicts(history(LINEAR, train))["training_loss_rising"]
+    assert (v.facts["low_step"], v.facts["low_value"], v.facts["last_value"]) == (30, 0.3, 0.68)
+    assert "training_loss_rising" not in verdicts(history(LINEAR, FALLING))
+
+
+def test_an_early_loss_spike_is_instability_with_its_step():
+    steps = [20, 40, 60, 80, 400, 600, 1000]
+    train = [2.3, 1.2, 2.0, 1.0, 0.5, 0.4, 0.3]  # 2.0 > 1.5 x 1.2 at step 60, within 20% of 1000
+    found = verdicts(history(train, train, steps=steps), row(total=1000))
+    f = found["early_instability"].facts
+    assert (f["step"], f["value"], f["low_step"], f["low_value"]) == (60, 2.0, 40, 1.2)
+    assert "warmup" in found["early_instability"].message
+    under = [2.3, 1.2, 1.79, 1.0, 0.5, 0.4, 0.3]  # 1.79 < 1.8
+    assert "early_instability" not in verdicts(history(under, under, steps=steps), row(total=1000))
+    late = [2.3, 1.2, 1.1, 1.0, 0.5, 2.0, 0.3]  # a spike at step 600: not early
+    assert "early_instability" not in verdicts(history(late, late, steps=steps), row(total=1000))
+
+
+def test_an_early_divergence_is_instability_and_a_late_one_is_not():
+    h = [{"step": 100, "train/loss": 2.0}, {"step": 150, "train/loss": None, "status": "diverged"}]
+    early = verdicts(h, row(status="DIVERGED", total=1000, diverged_at_step=150))
+    assert early["early_instability"].facts["step"] == 150 and set(early) == {"early_instability"}
+    assert verdicts(h, row(status="DIVERGED", total=1000, diverged_at_step=500)) == {}
+
+
+def clip_history(fractions, steps=STEPS, norms=None):
+    norms = norms or list(range(1, len(steps) + 1))
+    return [
+        {
+            "step": s,
+            "validation/loss": 0.5,
+            "train/loss": 0.5,
+            "train/grad_norm": float(n),
+            "train/clipped_fraction": c,
+        }
+        for s, n, c in zip(steps, norms, fractions, strict=True)
+    ]
+
+
+def test_clipping_suggests_the_90th_percentile_and_warns_past_half_clipped():
+    # norms 1..10: the 90th percentile at rank 0.9 x 9 = 8.1, 9 + 0.1 x (10 - 9) = 9.1
+    v = verdicts(clip_history([1, 1, 1, 1, 1, 1, 0.5, 0, 0, 0]))["clipping"]
+    assert v.facts["suggested_clip"] == pytest.approx(9.1)
+    assert (v.facts["clipped_updates"], v.facts["updates"]) == (65, 100) and v.is_warning
+    half = verdicts(clip_history([0.5] * 10))["clipping"]
+    assert half.facts["clipped_share"] == 0.5 and not half.is_warning  # half is not more than half
+
+
+def test_clipped_share_weighs_each_interval_by_its_steps():
+    # 10 of 10 steps, then 5 of 20: 15 of 30 updates (an unweighted mean of fractions says 62.5%)
+    v = verdicts(clip_history([1.0, 0.25], steps=[10, 30], norms=[4, 2]))["clipping"]
+    assert (v.facts["clipped_updates"], v.facts["updates"]) == (15, 30) and not v.is_warning
+    assert verdicts(history(LINEAR, FALLING)).get("clipping") is None  # no norms logged: nothing said
+
+
+def test_round_verdicts_name_the_trials_and_the_best_one():
+    rows = [
+        row("r-0", best_metric=0.25), row("r-1", best_metric=0.19), row("r-2", best_metric=0.3),
+        row("r-3", status="RUNNING"),
+    ]  # fmt: skip
+    hist = {
+        "r-0": history(OVERFIT, FALLING),
+        "r-1": clip_history([0.0] * 10, norms=list(range(1, 11))),
+        "r-2": history(LINEAR, FALLING),
+    }
+    hist["r-1"] = [{**h, "validation/loss": m} for h, m in zip(hist["r-1"], LINEAR, strict=True)]
+    out = {v.kind: v for v in curves.round_verdicts(rows, hist, "validation/loss", "min", TH)}
+    assert set(out) == {"overfitting", "still_improving", "clip_threshold"}
+    assert out["overfitting"].facts["trials"] == ("r-0",)
+    # ranked by best metric: r-1 (0.19) first, then r-2
+    assert out["still_improving"].facts["trials"] == ("r-1", "r-2")
+    assert out["still_improving"].facts["num_trials"] == 3
+    assert "the best trial, r-1, among them" in out["still_improving"].message
+    assert out["clip_threshold"].facts == {"trial_name": "r-1", "suggested_clip": pytest.approx(9.1)}
+    clean = curves.round_verdicts(
+        rows[2:3], {"r-2": history(FALLING[:5] + [0.3] * 5, FALLING)}, "validation/loss", "min", TH
+    )
+    assert [(v.kind, v.severity) for v in clean] == [("training_curves", "ok")]
+
+
+def test_thresholds_are_a_study_file_section_refused_by_name():
+    study = spec.load_dict({**MINIMAL_STUDY, "curves": {"overfit_rise": 0.3, "spike_ratio": 2}})
+    assert study.curves == Curves(overfit_rise=0.3, spike_ratio=2.0)
+    with pytest.raises(SpecError, match=r"^curves.noise_ratio: must be in \(0, 1\) \(got 1.5\)$"):
+        spec.load_dict({**MINIMAL_STUDY, "curves": {"noise_ratio": 1.5}})
+    with pytest.raises(SpecError, match=r"^curves.spike_ratio: must be > 1"):
+        spec.load_dict({**MINIMAL_STUDY, "curves": {"spike_ratio": 1}})
+
+
+def test_the_round_summary_reads_the_stored_metrics_logs(digits_dir, tmp_path):
+    study = make_study(digits_dir, tmp_path, training={"max_train_steps": 100, "eval_every_steps": 10})
+    rows = [{**row("explore-0000", best_metric=0.25, best_step=50), "round": "explore"}]
+    log = study.layout.trial("explore-0000").metrics_log
+    os.makedirs(os.path.dirname(log))
+    with open(log, "w") as f:
+        f.writelines(json.dumps(h) + "\n" for h in history(OVERFIT, FALLING))
+    summary = round_verdicts(study, "explore", rows)
+    (v,) = [v for v in summary["verdicts"] if v["kind"] == "overfitting"]
+    assert v["severity"] == "warning" and "explore-0000 overfits from step 50" in v["message"]
