@@ -79,7 +79,7 @@ def evaluate_checkpoint(checkpoint_uri: str, split: str, topo: Topology, device=
     model.to(device)
     batch_size = study.training.resolved_eval_batch_size // study.scaling.world_size
     ranges = row_ranges(list_files(split_uri(study, split)), topo.world_rank, topo.world_size)
-    log = PredictionLog(workload.metric_names, workload.num_classes)
+    log = PredictionLog.of(workload)
     metrics = evaluate(model, workload, eval_batches(workload, ranges, batch_size), batch_size, device, log)
     metrics.update(
         {"checkpoint": checkpoint_uri, "split": split, "step": state.step, "world_size": topo.world_size}

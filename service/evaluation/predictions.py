@@ -4,7 +4,9 @@ parquet file, so any metric can be recomputed, sliced or audited later from the 
 Columns: example_id (the workload's id_column), label, weight, split, step, `metric/<name>` for
 each of the workload's per-example metrics and, for a classifier (`num_classes` set),
 `prediction` (argmax of the logits) and `score` (its softmax probability), else `output` (the
-model's output: a number, or a list of numbers per example)."""
+model's output: a number, or a list of numbers per example) unless the workload keeps it out
+(`outputs_in_predictions = False`). `weight` is the example's weight (1, or the workload's own:
+a language model's token count)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,20 @@ from service.trainer import fence
 class PredictionLog:
     """Collects this rank's real (weight > 0) rows of one evaluation."""
 
-    def __init__(self, metric_names: tuple[str, ...] = (), num_classes: int | None = None):
+    def __init__(
+        self, metric_names: tuple[str, ...] = (), num_classes: int | None = None, keep_outputs: bool = True
+    ):
         self.num_classes = num_classes
-        outputs = ("prediction", "score") if num_classes else ("output",)
+        outputs = ("prediction", "score") if num_classes else ("output",) if keep_outputs else ()
         self.keys = ("example_id", "label", *outputs, "weight", *(f"metric/{m}" for m in metric_names))
         self.parts: list[dict[str, np.ndarray]] = []
+
+    @classmethod
+    def of(cls, workload) -> PredictionLog:
+        """The log of `workload`'s evaluations: its metrics, and its outputs unless it keeps them
+        out (`outputs_in_predictions = False`: a language model's per-token logits)."""
+        keep = getattr(workload, "outputs_in_predictions", True)
+        return cls(workload.metric_names, workload.num_classes, keep)
 
     def add(
         self,
@@ -38,18 +49,20 @@ class PredictionLog:
         """Keep the real rows of a batch; `per_example` metric values become `metric/<name>`
         columns (what the sampled-eval bias check compares)."""
         real = batch["weight"] > 0
-        outputs = outputs.detach().float()
-        if self.num_classes:
-            score, prediction = torch.softmax(outputs, dim=1).max(dim=1)
-            columns = {"prediction": prediction, "score": score}
-        else:
-            flat = outputs.reshape(len(outputs), -1)
-            columns = {"output": flat[:, 0] if flat.shape[1] == 1 else flat}
-        columns = {"example_id": batch["example_id"], "label": batch["label"], **columns}
+        columns = {"example_id": batch["example_id"], "label": batch["label"], **self._outputs(outputs)}
         columns["weight"] = batch["weight"]
         for name, values in (per_example or {}).items():
             columns[f"metric/{name}"] = values.detach().double()
         self.parts.append({k: v[real].cpu().numpy() for k, v in columns.items() if k in self.keys})
+
+    def _outputs(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.num_classes:
+            score, prediction = torch.softmax(outputs.detach().float(), dim=1).max(dim=1)
+            return {"prediction": prediction, "score": score}
+        if "output" not in self.keys:
+            return {}
+        flat = outputs.detach().float().reshape(len(outputs), -1)
+        return {"output": flat[:, 0] if flat.shape[1] == 1 else flat}
 
     def gather(self) -> dict[str, np.ndarray] | None:
         """All ranks' rows on rank 0 (None elsewhere), in world-rank order."""

@@ -562,7 +562,7 @@ def validation_pass(ctx: TrialContext, step: int, keep, split: str, prefix: str)
     all) with its predictions written by rank 0: (`<prefix>/<metric>` fields, the gathered
     predictions on rank 0, else None)."""
     workload, size = ctx.workload, ctx.evals.batch_size
-    log = PredictionLog(workload.metric_names, workload.num_classes)
+    log = PredictionLog.of(workload)
     batches = eval_batches(workload, ctx.evals.val_ranges, size, keep)
     val = evaluate(ctx.model, workload, batches, size, ctx.device, log)
     rows = log.gather()

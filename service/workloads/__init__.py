@@ -15,8 +15,9 @@ import torch
 from service.core.errors import SpecError
 from service.workloads.base import Workload
 from service.workloads.digits import Digits, DigitsZero
+from service.workloads.lm import LanguageModel
 
-BUILTIN: dict[str, type[Workload]] = {"digits": Digits, "digits_zero": DigitsZero}
+BUILTIN: dict[str, type[Workload]] = {"digits": Digits, "digits_zero": DigitsZero, "lm": LanguageModel}
 
 
 def get(name: str) -> Workload:

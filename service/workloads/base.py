@@ -44,6 +44,10 @@ class Workload(abc.ABC):
     and evaluations add per-class support / precision / recall and the predictions file's
     `prediction` (argmax) and `score` (its softmax probability). None: outputs of any shape,
     kept as the predictions file's `output` column; no per-class metrics."""
+    outputs_in_predictions: bool = True
+    """False: a non-classifier's predictions file has no `output` column (outputs too large to
+    keep per example, e.g. a language model's per-token logits); its per-example metrics and
+    weights are kept as always."""
 
     @property
     def columns(self) -> tuple[str, ...]:
