@@ -10,7 +10,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.nn.functional as F
 
 from service import workloads
 from service.data import text
@@ -19,6 +18,7 @@ from service.data.loader import eval_batches
 from service.data.sharding import row_ranges
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
+from tests.helpers.lm_reference import plain_token_losses
 
 SEQ_LEN = 24
 HPARAMS = {"depth": 2, "width": 32, "heads": 4, "context": SEQ_LEN}
@@ -34,19 +34,6 @@ def corpus(tmp_path_factory):
 def model_of(seed: int = 0, **hparams):
     torch.manual_seed(seed)
     return workloads.get("lm").build_model({**HPARAMS, **hparams}).eval()
-
-
-def plain_token_losses(model, rows: list[dict]) -> tuple[float, int]:
-    """(summed cross-entropy in float64, real tokens): each sequence on its own, unpadded: its
-    context byte and real bytes but the last in, its real bytes as the targets."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            real = list(r["bytes"][: r["num_tokens"]])
-            logits = model(torch.tensor([[r["context"], *real[:-1]]]))[0]
-            total += F.cross_entropy(logits.double(), torch.tensor(real), reduction="sum").item()
-            count += len(real)
-    return total, count
 
 
 def shortest_first(rows: list[dict], k: int) -> list[dict]:
