@@ -49,7 +49,7 @@ def curves(data: StudyData, key: str, title: str) -> Figure | None:
             lines.append(pts)
     if not lines and best_line is None:
         return None
-    fig = Figure(figsize=(7, 3.6))
+    fig = Figure(figsize=(10, 4.4))
     ax = fig.subplots()
     alpha = max(0.08, min(0.8, 8 / max(1, len(lines))))
     ax.add_collection(LineCollection(lines, colors=TRIAL_COLOR, linewidths=0.9, alpha=alpha, label="trials"))
@@ -63,6 +63,10 @@ def curves(data: StudyData, key: str, title: str) -> Figure | None:
     return fig
 
 
+HPARAM_COLUMNS = 3
+"""The hyperparameter axes in rows of at most this many, so each stays readable at the page's width."""
+
+
 def hparam_axes(data: StudyData) -> Figure | None:
     """The best result of each trial against each searched hyperparameter, with the search
     bounds drawn, the best trial marked, log axes for log-scale ones; diverged trials are
@@ -74,49 +78,60 @@ def hparam_axes(data: StudyData) -> Figure | None:
         r for r in data.rows if r.get("status") == TrialStatus.FINISHED and _finite(r.get("best_metric"))
     ]
     diverged = [r for r in data.rows if r.get("status") == TrialStatus.DIVERGED]
-    best = best_trial(data)
-    fig = Figure(figsize=(4.2 * len(space), 3.6))
-    axes = fig.subplots(1, len(space), squeeze=False)[0]
-    for ax, (name, hp) in zip(axes, space.items(), strict=True):
-        col = f"hp/{name}"
-
-        def x_of(r, name=name, hp=hp, col=col):
-            v = r.get(col)
-            if hp.type == "choice":
-                return list(hp.values).index(v) if v in hp.values else None
-            return v if _finite(v) else None
-
-        pts = [(x_of(r), r["best_metric"], r["trial_name"]) for r in finished if x_of(r) is not None]
-        if pts:
-            ax.scatter(
-                [p[0] for p in pts], [p[1] for p in pts], s=14, color=TRIAL_COLOR, alpha=0.7, label="trials"
-            )
-        for x, y, trial in pts:
-            if trial == best:
-                ax.scatter([x], [y], s=120, marker="*", color=BEST_COLOR, zorder=3, label=f"best: {trial}")
-        if hp.type == "choice":
-            ax.set_xticks(range(len(hp.values)), [str(v) for v in hp.values])
-            ax.set_xlim(-0.5, len(hp.values) - 0.5)
-        else:
-            for bound in (hp.min, hp.max):
-                ax.axvline(bound, color="black", linestyle="--", linewidth=1)
-            if hp.scale == "log":
-                ax.set_xscale("log")
-            pad = (math.log10(hp.max / hp.min) if hp.scale == "log" else hp.max - hp.min) * 0.05 or 1
-            lo, hi = (
-                (hp.min / 10**pad, hp.max * 10**pad) if hp.scale == "log" else (hp.min - pad, hp.max + pad)
-            )
-            ax.set_xlim(lo, hi)
-        dx = [x_of(r) for r in diverged if x_of(r) is not None]
-        if dx:
-            top = ax.get_ylim()[1]
-            ax.scatter(dx, [top] * len(dx), marker="x", color=DIVERGED_COLOR, label="diverged", clip_on=False)
-        ax.set(xlabel=f"{name} ({hp.role}{', log' if hp.scale == 'log' and hp.type != 'choice' else ''})")
+    ncols = min(HPARAM_COLUMNS, len(space))
+    nrows = math.ceil(len(space) / ncols)
+    fig = Figure(figsize=(4.6 * ncols, 3.8 * nrows), layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in grid[len(space) :]:
+        fig.delaxes(ax)
+    for ax, (name, hp) in zip(grid, space.items(), strict=False):
+        _hparam_axis(ax, name, hp, finished, diverged, best_trial(data))
         ax.set_ylabel(f"best {data.metric}")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=7)
     fig.suptitle("hyperparameter axes (dashed: search bounds)")
     return fig
+
+
+def _hparam_axis(ax, name: str, hp, finished: list[dict], diverged: list[dict], best: str | None) -> None:
+    """One hyperparameter's axis: the finished trials' results, the best one starred, the
+    diverged ones as crosses along the top."""
+
+    def x_of(r):
+        v = r.get(f"hp/{name}")
+        if hp.type == "choice":
+            return list(hp.values).index(v) if v in hp.values else None
+        return v if _finite(v) else None
+
+    pts = [(x_of(r), r["best_metric"], r["trial_name"]) for r in finished if x_of(r) is not None]
+    if pts:
+        ax.scatter(
+            [p[0] for p in pts], [p[1] for p in pts], s=14, color=TRIAL_COLOR, alpha=0.7, label="trials"
+        )
+    for x, y, trial in pts:
+        if trial == best:
+            ax.scatter([x], [y], s=120, marker="*", color=BEST_COLOR, zorder=3, label=f"best: {trial}")
+    if hp.type == "choice":
+        ax.set_xticks(range(len(hp.values)), [str(v) for v in hp.values])
+        ax.set_xlim(-0.5, len(hp.values) - 0.5)
+    else:
+        _range_axis(ax, hp)
+    dx = [x_of(r) for r in diverged if x_of(r) is not None]
+    if dx:
+        top = ax.get_ylim()[1]
+        ax.scatter(dx, [top] * len(dx), marker="x", color=DIVERGED_COLOR, label="diverged", clip_on=False)
+    ax.set(xlabel=f"{name} ({hp.role}{', log' if hp.scale == 'log' and hp.type != 'choice' else ''})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=7)
+
+
+def _range_axis(ax, hp) -> None:
+    """A float/int dimension: its bounds dashed, 5% of the range (in its scale) beyond them."""
+    for bound in (hp.min, hp.max):
+        ax.axvline(bound, color="black", linestyle="--", linewidth=1)
+    if hp.scale == "log":
+        ax.set_xscale("log")
+    pad = (math.log10(hp.max / hp.min) if hp.scale == "log" else hp.max - hp.min) * 0.05 or 1
+    lo, hi = (hp.min / 10**pad, hp.max * 10**pad) if hp.scale == "log" else (hp.min - pad, hp.max + pad)
+    ax.set_xlim(lo, hi)
 
 
 def best_step_positions(data: StudyData) -> Figure | None:
@@ -131,7 +146,7 @@ def best_step_positions(data: StudyData) -> Figure | None:
     ]
     if not fractions:
         return None
-    fig = Figure(figsize=(7, 3))
+    fig = Figure(figsize=(10, 3.6))
     ax = fig.subplots()
     ax.axvspan(
         0, float(EARLY_FRACTION), color="#ff7f0e", alpha=0.2, label="first 10%: max_train_steps too high"
@@ -161,7 +176,7 @@ def sample_bias(data: StudyData) -> Figure | None:
     ]
     if not pts:
         return None
-    fig = Figure(figsize=(7, 3))
+    fig = Figure(figsize=(10, 3.6))
     ax = fig.subplots()
     for biased in (False, True):
         sel = [p for p in pts if p[4] == biased]

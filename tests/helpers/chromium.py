@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import websocket
 
@@ -37,6 +37,8 @@ class PageCheck:
     images: list[dict]
     """Per <img>: complete, naturalWidth, naturalHeight, alt."""
     screenshot_png: bytes
+    values: list = field(default_factory=list)
+    """What each of `check_page`'s `evaluate` expressions returned, in order."""
 
 
 class _Session:
@@ -82,7 +84,17 @@ def _devtools_port(profile: str, proc: subprocess.Popen, timeout_s: float = 60) 
     raise TimeoutError("chromium did not open its DevTools port")
 
 
-def check_page(html_path: str) -> PageCheck:
+def _evaluate(s: _Session, expression: str):
+    result = s.call("Runtime.evaluate", expression=expression, returnByValue=True)
+    if "exceptionDetails" in result:
+        raise RuntimeError(f"{expression!r}: {result['exceptionDetails']}")
+    return result["result"].get("value")
+
+
+def check_page(html_path: str, evaluate: tuple[str, ...] = ()) -> PageCheck:
+    """Load the page at 1280 x 1000 CSS px; after the load, run each JavaScript expression of
+    `evaluate` in order (its value returned by value: numbers, strings, arrays, objects), then
+    take the screenshot."""
     if not os.path.exists(CHROMIUM):
         raise RuntimeError(f"{CHROMIUM} missing: run `make chromium` (apt-get install chromium)")
     profile = tempfile.mkdtemp(prefix="playbook-chromium-")
@@ -108,6 +120,7 @@ def check_page(html_path: str) -> PageCheck:
             "naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight, alt: i.alt})))",
             returnByValue=True,
         )["result"]["value"]
+        values = [_evaluate(s, expression) for expression in evaluate]
         size = s.call("Page.getLayoutMetrics")["cssContentSize"]
         shot = s.call(
             "Page.captureScreenshot",
@@ -125,7 +138,7 @@ def check_page(html_path: str) -> PageCheck:
             elif m == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
                 errors.append(str(p["entry"].get("text")))
         s.ws.close()
-        return PageCheck(errors, json.loads(images), base64.b64decode(shot["data"]))
+        return PageCheck(errors, json.loads(images), base64.b64decode(shot["data"]), values)
     finally:
         proc.terminate()
         try:
