@@ -14,7 +14,11 @@ is input-bound, and the numbers name the likely cause and the remedy:
 * reading dominates -> remote I/O: cache the data on local disk or colocate it with the
   cluster (local storage: faster disk, fewer and larger row groups);
 * preprocessing dominates -> heavy online preprocessing: move it offline with
-  `playbook preprocess`;
+  `playbook preprocess`; when the workload's `to_batch` decodes (it names a `decoded_workload`,
+  e.g. `images` -> `images_decoded`), the verdict names decoding as the cost and the command
+  that decodes once, offline, into that workload's columns;
+* augmentation dominates (`input/augment_s`) -> it differs every epoch, so it cannot move
+  offline: input worker processes;
 * with input worker processes or Ray Data input workers (which read and preprocess off the
   rank) -> more input workers.
 """
@@ -29,7 +33,7 @@ from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict
 
 INPUT_ROW_FIELDS = ("input/exposed_fraction", "input/bound", "input/verdict")
 """The trial-table columns of this verdict."""
-SUMS = ("input/wait_s", "input/step_s", "input/read_s", "input/preprocess_s")
+SUMS = ("input/wait_s", "input/step_s", "input/read_s", "input/preprocess_s", "input/augment_s")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class InputTotals:
     read_s: float
     preprocess_s: float
     unused_columns: tuple[str, ...] = ()
+    augment_s: float = 0.0
 
     @property
     def exposed_fraction(self) -> float:
@@ -52,9 +57,9 @@ class InputTotals:
         rows = [r for r in history if isinstance(r.get("input/step_s"), int | float)]
         if not rows:
             return None
-        sums = [sum(float(r.get(k) or 0.0) for r in rows) for k in SUMS]
+        wait, step, read, pre, augment = [sum(float(r.get(k) or 0.0) for r in rows) for k in SUMS]
         unused = sorted({c for r in rows for c in (r.get("input/unused_columns") or "").split(",") if c})
-        return cls(*sums, unused_columns=tuple(unused))
+        return cls(wait, step, read, pre, unused_columns=tuple(unused), augment_s=augment)
 
 
 def input_bound(
@@ -64,8 +69,10 @@ def input_bound(
     remote: bool,
     prefetch_batches: int,
     input_workers: str = "local",
+    decoded_workload: str | None = None,
 ) -> Verdict:
-    """OK below `threshold`; otherwise a warning naming the likely cause and its remedy."""
+    """OK below `threshold`; otherwise a warning naming the likely cause and its remedy
+    (`decoded_workload`: the workload's, see `Workload.decoded_workload`)."""
     fraction = totals.exposed_fraction
     facts = {
         "exposed_fraction": fraction,
@@ -74,13 +81,14 @@ def input_bound(
         "step_s": totals.step_s,
         "read_s": totals.read_s,
         "preprocess_s": totals.preprocess_s,
+        "augment_s": totals.augment_s,
     }
     share = f"{fraction:.0%} of its step time waiting for input"
     if fraction <= threshold:
         return make_verdict(
             "input_bound", trial_name, OK, f"{trial_name} spends {share}.", cause="none", **facts
         )
-    cause, remedy = likely_cause(totals, remote, prefetch_batches, input_workers)
+    cause, remedy = likely_cause(totals, remote, prefetch_batches, input_workers, decoded_workload)
     return make_verdict(
         "input_bound",
         trial_name,
@@ -92,7 +100,11 @@ def input_bound(
 
 
 def likely_cause(
-    totals: InputTotals, remote: bool, prefetch_batches: int, input_workers: str = "local"
+    totals: InputTotals,
+    remote: bool,
+    prefetch_batches: int,
+    input_workers: str = "local",
+    decoded_workload: str | None = None,
 ) -> tuple[str, str]:
     """(cause, sentence with the remedy), the most specific first. With input workers (processes
     or Ray Data) the reads and preprocessing happen in those workers, not on the rank (its read and
@@ -103,20 +115,24 @@ def likely_cause(
             f"columns the workload declares but never uses are read ({cols}): drop them from its columns."
         )
     if input_workers in ("processes", "ray_data"):
+        offline = (
+            f"decode the data once, offline, with `{decode_command(decoded_workload)}`"
+            if decoded_workload
+            else "move the workload's preprocessing offline with `playbook preprocess`"
+        )
         return "input_workers", (
             "the input workers do not keep up with the steps: raise input.num_input_workers "
-            "(where the cores allow), move the workload's preprocessing offline with "
-            "`playbook preprocess`, or keep the data closer to the cluster."
+            f"(where the cores allow), {offline}, or keep the data closer to the cluster."
         )
     compute_s = totals.step_s - totals.wait_s
-    produce_s = totals.read_s + totals.preprocess_s
+    produce_s = totals.read_s + totals.preprocess_s + totals.augment_s
     if produce_s < compute_s:
         return "prefetch_too_shallow", (
             f"the loader needs {produce_s:.3g} s for what the steps compute in {compute_s:.3g} s, "
             f"yet steps wait: prefetch is too shallow for its bursts; raise input.prefetch_batches "
             f"(now {prefetch_batches})."
         )
-    if totals.read_s >= totals.preprocess_s:
+    if totals.read_s >= max(totals.preprocess_s, totals.augment_s):
         if remote:
             return "remote_io", (
                 f"reading the data takes {totals.read_s:.3g} s (remote storage): cache it on local "
@@ -126,10 +142,38 @@ def likely_cause(
             f"reading the data takes {totals.read_s:.3g} s: put it on faster disk, or write fewer, "
             "larger row groups."
         )
+    if totals.augment_s > totals.preprocess_s:
+        return "online_augmentation", (
+            f"the workload's online augmentation takes {totals.augment_s:.3g} s: it differs every "
+            "epoch, so it cannot move offline; run it in input worker processes (input.workers: processes)."
+        )
+    if decoded_workload:
+        return "online_decoding", (
+            f"decoding the data in the workload's online preprocessing takes {totals.preprocess_s:.3g} s "
+            f"(augmentation {totals.augment_s:.3g} s): decode it once, offline, with "
+            f"`{decode_command(decoded_workload)}` and train workload {decoded_workload} on DEST "
+            "(augmentation stays online), or run it in input worker processes (input.workers: processes)."
+        )
     return "online_preprocessing", (
         f"the workload's online preprocessing takes {totals.preprocess_s:.3g} s: move it offline "
         "with `playbook preprocess`, or run it in input worker processes (input.workers: processes)."
     )
+
+
+def decode_command(decoded_workload: str) -> str:
+    return f"playbook preprocess SRC DEST --workload {decoded_workload}"
+
+
+def decoded_workload_of(name: str) -> str | None:
+    """The study's workload's `decoded_workload` (None when it names none or cannot be loaded
+    here)."""
+    from service import workloads
+    from service.core.errors import SpecError
+
+    try:
+        return workloads.get(name).decoded_workload
+    except SpecError:
+        return None
 
 
 def is_remote(uri: str) -> bool:
@@ -150,6 +194,7 @@ def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study
         is_remote(study.data.train),
         study.input.prefetch_batches,
         study.input.workers,
+        decoded_workload_of(study.workload),
     )
     return dict(zip(INPUT_ROW_FIELDS, (totals.exposed_fraction, v.is_warning, v.message), strict=True))
 

@@ -70,14 +70,16 @@ class WindowTask:
 @dataclass
 class LoaderStats:
     """Seconds the producing side spent, summed since the last `take()`: reading row groups
-    (I/O and decode) and the workload's `to_batch` (online preprocessing)."""
+    (I/O and decode), the workload's `to_batch` (online preprocessing) and its `augment` (the
+    training stream's online augmentation)."""
 
     read_s: float = 0.0
     preprocess_s: float = 0.0
+    augment_s: float = 0.0
 
-    def take(self) -> tuple[float, float]:
-        out = (self.read_s, self.preprocess_s)
-        self.read_s = self.preprocess_s = 0.0
+    def take(self) -> tuple[float, float, float]:
+        out = (self.read_s, self.preprocess_s, self.augment_s)
+        self.read_s = self.preprocess_s = self.augment_s = 0.0
         return out
 
 
@@ -260,8 +262,11 @@ class TrainStream:
         data_seed: int,
         shuffle_window_row_groups: int = DEFAULT_SHUFFLE_WINDOW_ROW_GROUPS,
         cache_bytes: int = 0,
+        hparams: dict | None = None,
     ):
         self.workload, self.batch_size, self.data_seed = workload, batch_size, data_seed
+        self.hparams = dict(hparams or {})
+        """The trial's hyperparameters, for the workload's `augment`."""
         self.window = shuffle_window_row_groups
         self.stats = LoaderStats()
         self.pieces = pieces_of(ranges, ParquetReader(workload.columns, workload))
@@ -290,8 +295,12 @@ class TrainStream:
             epoch += 1
 
     def load(self, task: WindowTask, reader: WindowReader) -> Batch:
-        """One window's rows, shuffled with (data_seed, epoch, window), from its offset on."""
+        """One window's rows, augmented by the workload (`augment`, from the data seed and the
+        epoch), shuffled with (data_seed, epoch, window), from its offset on."""
         tensors = reader.read(list(task.pieces))
+        start = time.perf_counter()
+        tensors = self.workload.augment(tensors, self.hparams, self.data_seed, task.epoch)
+        self.stats.augment_s += time.perf_counter() - start
         rows = sum(p.num_rows for p in task.pieces)
         perm = np.random.default_rng([self.data_seed, task.epoch, task.window]).permutation(rows)
         keep = torch.from_numpy(perm[task.offset :])

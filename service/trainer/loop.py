@@ -249,6 +249,7 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         my_data_seed,
         study.input.shuffle_window_row_groups,
         cache_bytes=study.input.cache_mb << 20,
+        hparams=plan.hparams,
     )
     unused = ",".join(unused_columns(workload, shard))
     return TrialContext(
@@ -593,6 +594,7 @@ TIMING_FIELDS = (
     "input/step_s",
     "input/read_s",
     "input/preprocess_s",
+    "input/augment_s",
     "multihost/reduce_s",
     "multihost/bn_sync_s",
 )
@@ -602,13 +604,14 @@ TIMING_FIELDS = (
 
 def input_fields(sums: list[float], unused: str) -> dict:
     """The interval's input timings, summed over ranks (see `service.analysis.input_bound`)."""
-    wait_s, step_s, read_s, preprocess_s = sums
+    wait_s, step_s, read_s, preprocess_s, augment_s = sums
     return {
         "input/exposed_fraction": wait_s / step_s if step_s > 0 else 0.0,
         "input/wait_s": wait_s,
         "input/step_s": step_s,
         "input/read_s": read_s,
         "input/preprocess_s": preprocess_s,
+        "input/augment_s": augment_s,
         "input/unused_columns": unused,
     }
 

@@ -15,9 +15,16 @@ import torch
 from service.core.errors import SpecError
 from service.workloads.base import Workload
 from service.workloads.digits import Digits, DigitsZero
+from service.workloads.images import Images, ImagesDecoded
 from service.workloads.lm import LanguageModel
 
-BUILTIN: dict[str, type[Workload]] = {"digits": Digits, "digits_zero": DigitsZero, "lm": LanguageModel}
+BUILTIN: dict[str, type[Workload]] = {
+    "digits": Digits,
+    "digits_zero": DigitsZero,
+    "lm": LanguageModel,
+    "images": Images,
+    "images_decoded": ImagesDecoded,
+}
 
 
 def get(name: str) -> Workload:

@@ -49,6 +49,11 @@ class Workload(abc.ABC):
     keep per example, e.g. a language model's per-token logits); its per-example metrics and
     weights are kept as always."""
 
+    decoded_workload: str | None = None
+    """For a workload whose `to_batch` decodes (images, audio, ...): the workload that reads the
+    same data decoded, as its `preprocess` writes it (`playbook preprocess SRC DEST --workload
+    <it>`). The input-bound verdict names it when decoding is what the steps wait for."""
+
     @property
     def columns(self) -> tuple[str, ...]:
         return (self.id_column, *self.feature_columns, self.label_column)
@@ -74,6 +79,16 @@ class Workload(abc.ABC):
         """Offline preprocessing (`playbook preprocess`), once per row group of the raw data:
         raw columns -> the declared `columns`, vectorised. Default: the columns as they are."""
         return table.select(list(self.columns))
+
+    def augment(
+        self, batch: dict[str, torch.Tensor], hparams: dict[str, Any], seed: int, epoch: int
+    ) -> dict[str, torch.Tensor]:
+        """Online data augmentation of the training stream only (never evaluation): a window's
+        batch from `to_batch` (with its `example_id`) -> the batch augmented, vectorised, on
+        the loader's thread or its input workers. `hparams` are the trial's; draw each example's
+        randomness from (seed, epoch, its example_id) -- `seed` is the rank's data seed -- so
+        that the batch of step s stays a pure function of s. Default: the batch as it is."""
+        return batch
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(batch["features"])
