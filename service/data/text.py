@@ -95,8 +95,8 @@ def sequences(data: bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return targets, context, num_tokens
 
 
-def split_table(chosen: list[tuple[SourceFile, bytes]], seq_len: int) -> pa.Table:
-    """The rows of one split's files, in the given order, ids from 0."""
+def split_table(chosen: list[tuple[SourceFile, bytes]], seq_len: int, first_id: int = 0) -> pa.Table:
+    """The rows of one split's files, in the given order, ids from `first_id`."""
     targets, context, num_tokens, file, chunk = [np.zeros((0, seq_len), np.uint8)], [], [], [], []
     for f, data in chosen:
         t, c, n = sequences(data, seq_len)
@@ -110,7 +110,7 @@ def split_table(chosen: list[tuple[SourceFile, bytes]], seq_len: int) -> pa.Tabl
     data = pa.py_buffer(targets.tobytes())
     return pa.table(
         {
-            "example_id": pa.array(np.arange(n, dtype=np.int64)),
+            "example_id": pa.array(np.arange(first_id, first_id + n, dtype=np.int64)),
             "bytes": pa.FixedSizeBinaryArray.from_buffers(pa.binary(seq_len), n, [None, data]),
             "context": pa.array(np.concatenate([np.zeros(0, np.int32), *context])),
             "num_tokens": pa.array(np.concatenate([np.zeros(0, np.int32), *num_tokens])),
@@ -131,10 +131,11 @@ def write_text(
     if max_bytes is not None and max_bytes < 1:
         raise DataError(f"--max-bytes: must be a positive number of bytes, got {max_bytes}")
     files = source_files(root or stdlib_root())
-    tables = {}
-    for split, share in SHARES.items():
+    tables, first_id = {}, 0
+    for split, share in SHARES.items():  # ids run on over the splits: unique in the corpus
         budget = None if max_bytes is None else int(max_bytes * share)
-        tables[split] = split_table(choose([f for f in files if f.split == split], budget), seq_len)
+        tables[split] = split_table(choose([f for f in files if f.split == split], budget), seq_len, first_id)
+        first_id += tables[split].num_rows
     for split, table in tables.items():
         if table.num_rows < FILES_PER_SPLIT[split]:
             raise DataError(
