@@ -164,7 +164,17 @@ class Training:
 
     def errors(self):
         yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")
-        yield from _positive(self, "num_checkpoints_to_keep", "virtual_batch_size")
+        yield from _positive(self, "num_checkpoints_to_keep", "virtual_batch_size", "microbatch_size")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Forward passes (training and evaluation) under torch.autocast in this dtype on the
+    trial's device; fp16 adds a gradient scaler, saved in the checkpoint. Weights, optimizer
+    state and metric sums stay float32/float64."""
+    microbatch_size: int | None = None
+    """Gradient accumulation: each worker's batch (batch_size / workers) goes through forward
+    and backward this many rows at a time, with one optimizer update and one all-reduce per
+    step; must divide the per-worker batch. BatchNorm then normalises over microbatches."""
+    compile: bool = False
+    """torch.compile the model (in place: the checkpoint is the same as without)."""
         yield from _non_negative(self, "seed")
         if self.eval_batch_size is not None:
             yield from _positive(self, "eval_batch_size")
@@ -368,6 +378,7 @@ class Study:
     def _round_errors(self):
         names = [r.name for r in self.rounds]
         for i, name in enumerate(names):
+        yield from _microbatch_errors(self.training, self.scaling.world_size)
             if name in names[:i]:
                 yield f"rounds[{i}].name", f"duplicate round name {name!r}"
         for i, r in enumerate(self.rounds):
@@ -533,6 +544,25 @@ def _ghost_batch_errors(training: Training, world: int):
     batch_size, v = training.batch_size, training.virtual_batch_size
     if batch_size % world or ghost_batch_fits(batch_size, world, v):
         return
+def _microbatch_errors(training: Training, world: int):
+    """training.microbatch_size must split each worker's batch (and, with ghost batch norm, be
+    split into virtual batches itself)."""
+    micro, per = training.microbatch_size, training.batch_size // world
+    if micro is None or micro <= 0 or training.batch_size % world:
+        return
+    if per % micro:
+        yield (
+            "training.microbatch_size",
+            f"must divide the per-worker batch {per} (batch_size {training.batch_size} over {world} "
+            f"workers; {per} % {micro} != 0)",
+        )
+    elif training.ghost_batch_norm and micro % training.virtual_batch_size:
+        yield (
+            "training.microbatch_size",
+            f"must be a multiple of virtual_batch_size {training.virtual_batch_size} with ghost_batch_norm",
+        )
+
+
     per = batch_size // world
     if per > v:
         why = f"does not divide the per-worker batch of {per}"

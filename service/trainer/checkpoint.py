@@ -50,6 +50,8 @@ class TrialState:
     """One dict of metrics per evaluation so far."""
     hparams: dict = field(default_factory=dict)
     """The trial's hyperparameters (so a checkpoint alone rebuilds its model)."""
+    scaler: dict = field(default_factory=dict)
+    """fp16's gradient scaler state (`torch.amp.GradScaler.state_dict`); empty otherwise."""
 
 
 def _write_atomic(directory: str, name: str, data: bytes) -> None:

@@ -175,6 +175,7 @@ def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
         copy(state.rng_states, ("rng",)),
         _deep_copy_plain(state.history),
         dict(state.hparams),
+        dict(state.scaler),
     )
     if on_gpu:
         torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed

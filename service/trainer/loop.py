@@ -10,37 +10,30 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from service import workloads
 from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.data import files
-from service.data.files import list_files
-from service.data.input_timer import InputTimer
-from service.data.loader import Batch, TrainStream, eval_batches, unused_columns
+from service.data.loader import Batch, TrainStream, eval_batches
 from service.data.prefetch import prefetch_stream
-from service.data.sharding import RowRange, row_ranges, train_shard
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
-from service.evaluation.sampling import EvalSample, bias_fields, is_full_eval, plan_sample, sample_of
+from service.evaluation.sampling import bias_fields, is_full_eval
 from service.nn.batchnorm import sync_batchnorm_stats
-from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.planning.trial import TrialPlan
-from service.study.spec import CLIP_HPARAM, Training
 from service.trainer import checkpoint, rng, topology_record
 from service.trainer.checkpoint import TrialState
-from service.trainer.metrics_log import MetricsLog
+from service.trainer.optimizers import build_optimizer  # noqa: F401  (imported from here by tests)
 from service.trainer.profiling import StepProfiler
 from service.trainer.rank0 import Rank0
-from service.trainer.topology import Topology, data_seed, init_seed
-from service.workloads.base import Workload
+from service.trainer.setup import Progress, TrialContext, set_up
+from service.trainer.step import train_step
+from service.trainer.tally import all_reduce_min, all_reduce_sum
+from service.trainer.topology import Topology, init_seed
 
 
 class Reporter(Protocol):
@@ -70,78 +63,6 @@ class Checkpointer(Protocol):
 
     def close(self) -> None:
         """Wait for saves still in flight; raise the error of a failed one."""
-
-
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
-    lr = float(hparams["learning_rate"])
-    wd = float(hparams.get("weight_decay", 0.0))
-    if name == "adamw":
-        betas = (float(hparams.get("beta1", 0.9)), float(hparams.get("beta2", 0.999)))
-        eps = float(hparams.get("eps", 1e-8))
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
-    momentum = float(hparams.get("momentum", 0.9))
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=name == "nesterov")
-
-
-class StepTally:
-    """An interval's training-loss sum and count (finite losses), its first non-finite step and,
-    with gradient clipping, the sum of the gradients' global norms (before clipping) and the
-    number of steps clipped, kept as device tensors: adding a step reads nothing back to the
-    host, so the step never waits for the device (the playbook: no accidental host syncs in the
-    input pipeline's way). `take()` reads them at an eval point, in one transfer, and starts the
-    next interval."""
-
-    def __init__(self, device):
-        self.device = device
-        self._start()
-
-    def _start(self) -> None:
-        # loss sum, finite-loss count, grad norm sum, clipped steps
-        self.sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        self.first_bad = torch.full((), math.inf, dtype=torch.float64, device=self.device)
-
-    def add(self, loss: torch.Tensor, step: int) -> None:
-        value = loss.detach().double()
-        finite = torch.isfinite(value)
-        self.sums[:2] += torch.stack([torch.where(finite, value, 0.0), finite.double()])
-        this_step = torch.full((), float(step), dtype=torch.float64, device=self.device)
-        self.first_bad = torch.where(finite, self.first_bad, torch.minimum(self.first_bad, this_step))
-
-    def add_grad_norm(self, norm: torch.Tensor, max_norm: float) -> None:
-        """A step's global gradient norm before clipping; clipped when it exceeds `max_norm`."""
-        norm = norm.detach().double()
-        self.sums[2:] += torch.stack([norm, (norm > max_norm).double()])
-
-    def take(self) -> tuple[float, float, float, float, float]:
-        """(loss sum, finite steps, grad norm sum, clipped steps, first non-finite step or inf)
-        since the last take."""
-        *sums, first_bad = torch.cat([self.sums, self.first_bad.view(1)]).tolist()
-        self._start()
-        return (*sums, first_bad)
-
-
-def step_sync_debug(inp, device) -> str | None:
-    """`input.sync_debug` on a CUDA device: torch's sync debug mode during each training step
-    ("warn": one warning naming the Python line of each device-to-host sync). Off elsewhere."""
-    return "warn" if inp.sync_debug and torch.device(device).type == "cuda" else None
-
-
-def all_reduce_sum(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
-
-
-def all_reduce_min(value: float, device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
 
 
 def train(
@@ -185,159 +106,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     return summary(ctx, progress)
 
 
-# Set-up: 1. model and optimizer, 2. data and eval plan.
-
-
-@dataclass
-class EvalPlan:
-    """What this rank evaluates at every eval point."""
-
-    val_ranges: list[RowRange]  # this rank's rows of the validation files
-    sample: EvalSample | None  # the fixed validation sample, or None: the full set every time
-    train_part: tuple[list[RowRange], torch.Tensor | None] | None  # see `train_eval_part`
-    batch_size: int  # this rank's eval batch
-
-
-@dataclass
-class TrialContext:
-    """One trial on this rank as `set_up` builds it: what every later part of the loop reads."""
-
-    plan: TrialPlan
-    topo: Topology
-    device: torch.device
-    workload: Workload
-    rank0: Rank0
-    max_steps: int
-    model: nn.Module
-    ddp: nn.Module  # the model, wrapped in DistributedDataParallel on more than one rank
-    optimizer: torch.optim.Optimizer
-    init_params: str  # the initial weights' sha256 (the topology record)
-    data_seed: int
-    opened_before: int  # data files this process had opened before set-up (the topology record)
-    stream: TrainStream
-    unused_columns: str
-    evals: EvalPlan
-    metrics_log: MetricsLog
-    tally: StepTally
-    timer: InputTimer
-    sync_debug: str | None
-    clip_norm: float | None  # grad_clip_norm: clip the gradients' global norm to this
-
-    @property
-    def training(self) -> Training:
-        return self.plan.study.training
-
-
-def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
-    """1. The model and optimizer, seeded alike on every rank; 2. this rank's training stream
-    and eval plan; the loop's instruments (loss tally, input timer, metrics log)."""
-    study, tr = plan.study, plan.study.training
-    workload = workloads.get(study.workload)
-    model, ddp, optimizer, init_params = build_model(plan, topo, workload, device)
-    # Per-rank randomness (dropout, augmentation: torch, numpy or `random`) from the data seed.
-    rng.seed_all(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
-
-    # 2. Data: training files sharded over hosts, eval rows over ranks.
-    my_data_seed = data_seed(plan.trial_seed, topo.host_rank, topo.local_rank)
-    opened_before = len(files.OPENED)
-    train_files = list_files(study.data.train)
-    shard = train_shard(train_files, topo.num_hosts, topo.host_rank, topo.workers_per_host, topo.local_rank)
-    stream = TrainStream(
-        workload,
-        shard,
-        tr.batch_size // topo.world_size,
-        my_data_seed,
-        study.input.shuffle_window_row_groups,
-        cache_bytes=study.input.cache_mb << 20,
-        hparams=plan.hparams,
-    )
-    unused = ",".join(unused_columns(workload, shard))
-    return TrialContext(
-        plan=plan,
-        topo=topo,
-        device=device,
-        workload=workload,
-        rank0=Rank0(topo),
-        max_steps=plan.max_train_steps or tr.max_train_steps,
-        model=model,
-        ddp=ddp,
-        optimizer=optimizer,
-        init_params=init_params,
-        data_seed=my_data_seed,
-        opened_before=opened_before,
-        stream=stream,
-        unused_columns=unused,
-        evals=plan_evals(plan, topo, train_files),
-        metrics_log=MetricsLog(plan.metrics_uri),  # its first write replaces the log whole
-        tally=StepTally(device),
-        timer=InputTimer(),
-        sync_debug=step_sync_debug(study.input, device),
-        clip_norm=clip_norm(plan.hparams),
-    )
-
-
-def clip_norm(hparams: dict) -> float | None:
-    value = hparams.get(CLIP_HPARAM)
-    return None if value is None else float(value)
-
-
-def build_model(plan: TrialPlan, topo: Topology, workload, device):
-    """1. Model: the same init seed on every rank -> bit-identical initial weights.
-    Returns (model, the model as trained, optimizer, sha256 of the initial weights)."""
-    tr = plan.study.training
-    torch.manual_seed(init_seed(plan.trial_seed))
-    model = workload.build_model(plan.hparams).to(device)
-    if tr.ghost_batch_norm:  # BN statistics over virtual batches, not the per-worker batch
-        group = ghost_group(tr.batch_size // topo.world_size, tr.virtual_batch_size)
-        convert_to_ghost(model, tr.virtual_batch_size, group)
-    init_params = topology_record.params_sha256(model)
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
-    optimizer = build_optimizer(tr.optimizer, model.parameters(), plan.hparams)
-    return model, ddp, optimizer, init_params
-
-
-def plan_evals(plan: TrialPlan, topo: Topology, train_files) -> EvalPlan:
-    """This rank's validation rows, the fixed samples and the eval batch."""
-    tr = plan.study.training
-    val_files = list_files(plan.study.data.validation)
-    val_ranges = row_ranges(val_files, topo.world_rank, topo.world_size)
-    sample = plan_sample(sum(f.num_rows for f in val_files), tr, topo.world_rank, topo.world_size)
-    train_part = train_eval_part(train_files, tr, topo)
-    evals = EvalPlan(val_ranges, sample, train_part, tr.resolved_eval_batch_size // topo.world_size)
-    if tr.resolved_eval_batch_size < tr.batch_size:
-        Rank0(topo).run(
-            print,
-            f"[{plan.trial_name}] warning: eval_batch_size {tr.eval_batch_size} < "
-            f"batch_size {tr.batch_size} ({tr.eval_batch_size_reason})",
-            flush=True,
-        )
-    return evals
-
-
-def train_eval_part(train_files, tr, topo: Topology) -> tuple[list, torch.Tensor | None] | None:
-    """This rank's rows of the fixed training sample evaluated at every eval point
-    (`training.train_eval_sample_size`): (row ranges, positions kept in them or None for all)."""
-    if tr.train_eval_sample_size is None:
-        return None
-    total = sum(f.num_rows for f in train_files)
-    sample = sample_of(total, tr.train_eval_sample_size, tr.seed, topo.world_rank, topo.world_size)
-    return row_ranges(train_files, topo.world_rank, topo.world_size), sample.local_keep if sample else None
-
-
 # 3. Restore the latest checkpoint.
-
-
-@dataclass
-class Progress:
-    """Where the trial stands: its step, its eval rows so far, and the current eval interval."""
-
-    step: int
-    history: list[dict]
-    lr: float = math.nan  # the last step's learning rate
-    steps_in_interval: int = 0
-    # steps_per_s: the clock of the first interval starts once the first batch is in hand
-    # (the loader's start-up is start-up, not step time: InputTimer leaves it out too).
-    interval_start: float | None = None
 
 
 def restore(ctx: TrialContext, reporter: Reporter) -> Progress:
@@ -348,6 +117,7 @@ def restore(ctx: TrialContext, reporter: Reporter) -> Progress:
     if state.model:
         ctx.model.load_state_dict(state.model)
         ctx.optimizer.load_state_dict(state.optimizer)
+        ctx.precision.load_state_dict(state.scaler)
         if len(state.rng_states) == topo.world_size:
             rng.restore(state.rng_states[topo.world_rank])
         else:  # the ranks' draws cannot continue as before: the run is no longer bitwise
@@ -377,41 +147,6 @@ def record_topology(ctx: TrialContext, step: int) -> None:
     ctx.rank0.run(
         topology_record.write, plan.topology_uri, plan.trial_name, plan.study.scaling.num_hosts, records
     )
-
-
-# 4. One training step.
-
-
-def train_step(
-    ctx: TrialContext, progress: Progress, batches: Iterator[Batch], profiler: StepProfiler
-) -> None:
-    """The schedule's learning rate, the next batch, forward, backward, update. The loss goes to
-    the interval's tally on the device: nothing is read back to the host inside the step."""
-    progress.lr = ctx.plan.learning_rate(progress.step)
-    for group in ctx.optimizer.param_groups:
-        group["lr"] = progress.lr
-    ctx.rank0.run(profiler.before_step, progress.step)
-    ctx.timer.begin_step()
-    if ctx.sync_debug:
-        torch.cuda.set_sync_debug_mode(ctx.sync_debug)
-    batch = {k: v.to(ctx.device, non_blocking=True) for k, v in next(batches).items()}
-    ctx.timer.got_batch()
-    if progress.interval_start is None:
-        progress.interval_start = time.perf_counter()
-    loss = ctx.workload.loss(ctx.workload.forward(ctx.ddp, batch), batch).mean()
-    ctx.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if ctx.clip_norm is not None:  # the gradients are all-reduced: the same global norm on every rank
-        norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_norm)
-        ctx.tally.add_grad_norm(norm, ctx.clip_norm)
-    ctx.optimizer.step()
-    progress.step += 1
-    progress.steps_in_interval += 1
-    ctx.tally.add(loss, progress.step)
-    if ctx.sync_debug:
-        torch.cuda.set_sync_debug_mode("default")
-    ctx.timer.end_step()
-    ctx.rank0.run(profiler.after_step, progress.step)
 
 
 # 5. One eval point: BN stats sync, evaluations, checkpoint, report.
@@ -505,7 +240,13 @@ def checkpoint_and_report(
     }
     rng_states = topology_record.gather(rng.capture())  # every rank's generators, by world rank
     state = TrialState(
-        step, ctx.model.state_dict(), ctx.optimizer.state_dict(), rng_states, history, dict(ctx.plan.hparams)
+        step,
+        ctx.model.state_dict(),
+        ctx.optimizer.state_dict(),
+        rng_states,
+        history,
+        dict(ctx.plan.hparams),
+        ctx.precision.state_dict(),
     )
     if checkpointer is not None:
         ctx.rank0.run(checkpointer.save, state, report)
@@ -539,7 +280,8 @@ def train_eval_fields(ctx: TrialContext) -> dict:
     ranges, keep = ctx.evals.train_part
     size = ctx.evals.batch_size
     batches = eval_batches(ctx.workload, ranges, size, keep)
-    result = evaluate(ctx.model, ctx.workload, batches, size, ctx.device)
+    with ctx.precision.autocast():
+        result = evaluate(ctx.model, ctx.workload, batches, size, ctx.device)
     return {f"train_eval/{k}": v for k, v in result.items() if k != "per_class"}
 
 
@@ -565,7 +307,8 @@ def validation_pass(ctx: TrialContext, step: int, keep, split: str, prefix: str)
     workload, size = ctx.workload, ctx.evals.batch_size
     log = PredictionLog.of(workload)
     batches = eval_batches(workload, ctx.evals.val_ranges, size, keep)
-    val = evaluate(ctx.model, workload, batches, size, ctx.device, log)
+    with ctx.precision.autocast():  # as in training; the metrics are still summed in float64
+        val = evaluate(ctx.model, workload, batches, size, ctx.device, log)
     rows = log.gather()
     ctx.rank0.run(write_predictions, ctx.plan.predictions_uri(split, step), rows, split, step)
     return {f"{prefix}/{k}": v for k, v in val.items()}, rows

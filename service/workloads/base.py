@@ -95,3 +95,21 @@ class Workload(abc.ABC):
 
     def model_hparams(self, hparams: dict[str, Any]) -> dict[str, Any]:
         return {**self.hparam_defaults, **{k: v for k, v in hparams.items() if k in self.hparam_defaults}}
+
+    def param_groups(self, model: nn.Module, hparams: dict[str, Any]) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: torch's `[{"params": [...], option: value, ...}]`,
+        every trainable parameter in exactly one group. The service builds the study's optimizer
+        over them with the trial's hyperparameters; a group's own option (e.g. `weight_decay: 0.0`)
+        overrides that hyperparameter for its parameters; `lr` is the schedule's. Default: one
+        group of every parameter (`no_weight_decay_groups` keeps norms and biases from decay)."""
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
+def no_weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Two parameter groups: weights of two or more dimensions (decayed) and the rest, the
+    biases and the norm layers' scales and shifts, with `weight_decay: 0.0`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]

@@ -83,16 +83,16 @@ def without_timing(row: dict) -> dict:
 
 
 def plain_loop_parts(plan: TrialPlan):
-    """What a plain single-process replay of `plan` starts from: the digits workload, its model
+    """What a plain single-process replay of `plan` starts from: its workload, its model
     seeded as the trial's, the trial's optimizer and its rank-0 training stream."""
+    from service import workloads
     from service.data.files import list_files
     from service.data.loader import TrainStream
     from service.data.sharding import train_shard
     from service.trainer.loop import build_optimizer
     from service.trainer.topology import data_seed, init_seed
-    from service.workloads.digits import Digits
 
-    workload = Digits()
+    workload = workloads.get(plan.study.workload)
     torch.manual_seed(init_seed(plan.trial_seed))
     model = workload.build_model(plan.hparams)
     optimizer = build_optimizer(plan.study.training.optimizer, model.parameters(), plan.hparams)

@@ -1,0 +1,66 @@
+"""The built-in optimizers (SGD with momentum, Nesterov, AdamW), built from the trial's
+hyperparameters over the workload's parameter groups (`Workload.param_groups`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from service.core.errors import PlaybookError
+
+GROUP_KEYS = {
+    "weight_decay": "weight_decay",
+    "momentum": "momentum",
+    "eps": "eps",
+    "beta1": "betas",
+    "beta2": "betas",
+}
+"""The optimizer option each optimizer hyperparameter sets (a group that gives its own value
+keeps the hyperparameter from reaching its parameters)."""
+
+
+def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
+    lr = float(hparams["learning_rate"])
+    wd = float(hparams.get("weight_decay", 0.0))
+    if name == "adamw":
+        betas = (float(hparams.get("beta1", 0.9)), float(hparams.get("beta2", 0.999)))
+        eps = float(hparams.get("eps", 1e-8))
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    momentum = float(hparams.get("momentum", 0.9))
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=name == "nesterov")
+
+
+def workload_optimizer(name: str, workload, model: nn.Module, hparams: dict) -> torch.optim.Optimizer:
+    """The built-in optimizer `name` over the workload's parameter groups, checked: every
+    trainable parameter in exactly one group, no group setting `lr` (the schedule sets every
+    group's), only options the optimizer has, and every optimizer hyperparameter of the trial
+    reaching at least one group."""
+    where = f"workload {workload.name}: param_groups"
+    groups = [{**g, "params": list(g["params"])} for g in workload.param_groups(model, hparams)]
+    check_covers(groups, model, where)
+    optimizer = build_optimizer(name, [dict(g) for g in groups], hparams)  # torch fills in its copies
+    for i, group in enumerate(groups):
+        unknown = sorted(set(group) - set(optimizer.defaults) - {"params", "name"})
+        if "lr" in group or unknown:
+            bad = "lr (the schedule sets every group's)" if "lr" in group else f"{unknown} (not {name}'s)"
+            raise PlaybookError(f"{where}[{i}] sets {bad}")
+    for hparam, key in GROUP_KEYS.items():
+        if hparam in hparams and all(key in g for g in groups):
+            raise PlaybookError(f"{where}: every group sets {key}, so {hparam} reaches no parameter")
+    return optimizer
+
+
+def check_covers(groups: list[dict], model: nn.Module, where: str) -> None:
+    """Every trainable parameter of `model` in exactly one group, and nothing else."""
+    listed = Counter(id(p) for g in groups for p in g["params"])
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if any(n > 1 for n in listed.values()):
+        raise PlaybookError(f"{where}: a parameter is in more than one group")
+    if set(listed) != trainable:
+        missing, extra = len(trainable - set(listed)), len(set(listed) - trainable)
+        raise PlaybookError(
+            f"{where}: leaves out {missing} of the model's {len(trainable)} trainable parameters"
+            + (f" and lists {extra} that are not" if extra else "")
+        )

@@ -1,0 +1,80 @@
+"""4. One training step: the schedule's learning rate, the next batch, forward and backward over
+its microbatches (`training.microbatch_size`, DDP all-reducing once, after the last one) under
+the trial's precision, clipping, the update. Nothing is read back to the host inside the step."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from service.data.loader import Batch
+from service.trainer.profiling import StepProfiler
+from service.trainer.setup import Progress, TrialContext
+from service.trainer.tally import distributed
+
+
+def train_step(
+    ctx: TrialContext, progress: Progress, batches: Iterator[Batch], profiler: StepProfiler
+) -> None:
+    """One optimizer update. The loss goes to the interval's tally on the device."""
+    progress.lr = ctx.plan.learning_rate(progress.step)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = progress.lr
+    ctx.rank0.run(profiler.before_step, progress.step)
+    ctx.timer.begin_step()
+    if ctx.sync_debug:
+        torch.cuda.set_sync_debug_mode(ctx.sync_debug)
+    batch = {k: v.to(ctx.device, non_blocking=True) for k, v in next(batches).items()}
+    ctx.timer.got_batch()
+    if progress.interval_start is None:
+        progress.interval_start = time.perf_counter()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(ctx, batch)
+    update(ctx)
+    progress.step += 1
+    progress.steps_in_interval += 1
+    ctx.tally.add(loss, progress.step)
+    if ctx.sync_debug:
+        torch.cuda.set_sync_debug_mode("default")
+    ctx.timer.end_step()
+    ctx.rank0.run(profiler.after_step, progress.step)
+
+
+def microbatches(batch: Batch, size: int | None) -> list[Batch]:
+    """The batch cut along its first dimension into consecutive parts of `size` rows (the
+    whole batch when `size` is None)."""
+    if size is None:
+        return [batch]
+    rows = len(next(iter(batch.values())))
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def forward_backward(ctx: TrialContext, batch: Batch) -> torch.Tensor:
+    """The gradients of the batch's mean loss, accumulated over its microbatches: each
+    microbatch's mean loss divided by their number (equal sizes: the sum is the batch's mean).
+    DDP skips its all-reduce on every microbatch but the last (`no_sync`). Returns the batch's
+    mean loss, detached, on the device."""
+    parts = microbatches(batch, ctx.microbatch_size)
+    total = None
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        with contextlib.nullcontext() if last or not distributed() else ctx.ddp.no_sync():
+            with ctx.precision.autocast():
+                loss = ctx.workload.loss(ctx.workload.forward(ctx.ddp, part), part).mean()
+            if len(parts) > 1:
+                loss = loss / len(parts)
+            ctx.precision.backward(loss)
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def update(ctx: TrialContext) -> None:
+    """Clip (after DDP's all-reduce, the gradients unscaled first under fp16) and step."""
+    if ctx.clip_norm is not None:  # the gradients are all-reduced: the same global norm on every rank
+        ctx.precision.unscale(ctx.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_norm)
+        ctx.tally.add_grad_norm(norm, ctx.clip_norm)
+    ctx.precision.step(ctx.optimizer)
