@@ -297,3 +297,58 @@ def test_a_round_runs_as_tune_runs_of_at_most_trials_per_tune_run(ray_cluster, d
     written = {f for _, _, files in os.walk(tune_dir) for f in files}
     assert "result.json" in written and "progress.csv" not in written
     assert not any(f.startswith("events.out.tfevents") for f in written)
+
+
+def test_curve_verdicts_of_each_round_match_its_metrics_logs(finished_study):
+    """The round's saved training-curve verdicts (overfitting, still improving) name exactly
+    the trials a plain loop over their metrics logs finds, by the rules of docs/verdicts.md
+    with the default thresholds."""
+    from service.analysis.curves import KINDS
+
+    study, explore, exploit = finished_study
+    with open(os.path.join(study.study_uri, "verdicts.json")) as f:
+        summaries = json.load(f)
+    for summary, rows in zip(summaries, (explore, exploit), strict=True):
+        saved = {v["kind"]: v["message"] for v in summary["verdicts"]}
+        expected = {"overfitting": [], "still_improving": []}
+        for row in rows:
+            log = metrics_log(study, row["trial_name"])
+            val = [(h["step"], h["validation/loss"]) for h in log]
+            train = {h["step"]: h["train/loss"] for h in log}
+            first, best = val[0][1], min(v for _, v in val)
+            best_step = max(s for s, v in val if v == best)
+            last_step, last = val[-1]
+            if last - best > 0.1 * (first - best) and train[last_step] < train[best_step]:
+                expected["overfitting"].append(row["trial_name"])
+            start = 0.75 * row["max_train_steps"]
+            before = min(v for s, v in val if s <= start)
+            tail = min(v for s, v in val if s > start)
+            if before - tail > 0.05 * (first - best):
+                expected["still_improving"].append(row["trial_name"])
+        for kind, names in expected.items():
+            assert (kind in saved) == bool(names), (kind, names, saved.get(kind))
+            assert all(name in saved.get(kind, "") for name in names)
+        assert ("training_curves" in saved) == (not any(k in saved for k in KINDS))
+
+
+def test_the_report_of_a_real_study_tags_each_trial_with_its_curve_verdicts(finished_study, tmp_path):
+    """In headless Chromium at 1280 px: the real study's report fits the width, and each trial's
+    row carries a 'still improving' tag exactly when the round's saved verdict names it."""
+    from service import report
+    from tests.helpers.chromium import check_page
+
+    study, explore, exploit = finished_study
+    out = tmp_path / "report.html"
+    report.write(report.load(study.study_uri), str(out))
+    rows_tags = """(() => Object.fromEntries([...document.querySelectorAll('table.trials tbody tr')].map(
+      r => [r.cells[0].textContent, [...r.querySelectorAll('summary')].map(s => s.textContent)])))()"""
+    page = check_page(str(out), evaluate=("document.documentElement.scrollWidth", rows_tags))
+    width, tags = page.values
+    assert page.console_errors == [] and width <= 1280
+    with open(os.path.join(study.study_uri, "verdicts.json")) as f:
+        named = " ".join(
+            v["message"] for s in json.load(f) for v in s["verdicts"] if v["kind"] == "still_improving"
+        )
+    assert set(tags) == {r["trial_name"] for r in explore + exploit}
+    for name, labels in tags.items():
+        assert ("still improving" in labels) == (name in named), (name, labels)
