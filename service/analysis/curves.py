@@ -384,27 +384,34 @@ def round_verdicts(
     mode: str,
     th: Curves,
 ) -> list[Verdict]:
-    """A round's curve verdicts: per kind that warned, one verdict naming its trials (best
-    ranked first, then the rest by name); the best trial's clipping threshold; an ok verdict
-    when nothing warned. Nothing for a round without FINISHED or DIVERGED trials."""
+    """A round's curve verdicts over its FINISHED trials with a metrics log and its DIVERGED
+    ones: per kind that warned, one verdict naming its trials (best ranked first, then the
+    rest by name); the best trial's clipping threshold; an ok verdict when nothing warned.
+    Nothing for a round without such trials."""
     ranked = [str(r["trial_name"]) for r in ranked_results(rows, mode)]
     order = ranked + sorted(str(r["trial_name"]) for r in rows if str(r["trial_name"]) not in ranked)
     by_name = {str(r["trial_name"]): r for r in rows}
-    found = {n: trial_verdicts(by_name[n], histories.get(n, []), metric, mode, th) for n in order}
-    judged = [n for n in order if by_name[n].get("status") in (TrialStatus.FINISHED, TrialStatus.DIVERGED)]
+    judged = [n for n in order if _has_curves(by_name[n], histories.get(n))]
     if not judged:
         return []
+    found = {n: trial_verdicts(by_name[n], histories.get(n, []), metric, mode, th) for n in judged}
     out = []
     for kind in KINDS:
-        hits = [v for n in order for v in found[n] if v.kind == kind and v.is_warning]
+        hits = [v for n in judged for v in found[n] if v.kind == kind and v.is_warning]
         if hits:
             out.append(_kind_summary(kind, hits, len(judged), ranked[0] if ranked else None))
     if not out:
         out.append(_all_clear(len(judged)))
-    best_clip = next((v for v in found[ranked[0]] if v.kind == "clipping"), None) if ranked else None
+    best_clip = next((v for v in found.get(ranked[0], []) if v.kind == "clipping"), None) if ranked else None
     if best_clip is not None:
         out.append(_clip_threshold(best_clip))
     return out
+
+
+def _has_curves(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]] | None) -> bool:
+    """A trial the round judges: FINISHED with a metrics log, or DIVERGED (its row says where)."""
+    status = row.get("status")
+    return status == TrialStatus.DIVERGED or (status == TrialStatus.FINISHED and bool(history))
 
 
 def _kind_summary(kind: str, hits: list[Verdict], judged: int, best: str | None) -> Verdict:

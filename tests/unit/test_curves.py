@@ -205,6 +205,15 @@ def test_round_verdicts_name_the_trials_and_the_best_one():
     assert [(v.kind, v.severity) for v in clean] == [("training_curves", "ok")]
 
 
+def test_a_round_counts_only_trials_with_curves():
+    """A FINISHED trial without a metrics log says nothing (not "no overfitting"); a DIVERGED
+    one is judged on its row's divergence step."""
+    rows = [row("n-0", best_metric=0.2), row("n-1", status="DIVERGED", total=1000, diverged_at_step=100)]
+    assert curves.round_verdicts(rows[:1], {}, "validation/loss", "min", TH) == []
+    (v,) = curves.round_verdicts(rows, {}, "validation/loss", "min", TH)
+    assert (v.kind, v.facts["trials"], v.facts["num_trials"]) == ("early_instability", ("n-1",), 1)
+
+
 def test_thresholds_are_a_study_file_section_refused_by_name():
     study = spec.load_dict({**MINIMAL_STUDY, "curves": {"overfit_rise": 0.3, "spike_ratio": 2}})
     assert study.curves == Curves(overfit_rise=0.3, spike_ratio=2.0)

@@ -90,7 +90,7 @@ def test_report_trial_table_has_a_seed_column():
     page = trial_table(data, best="exploit-0001")
     head = re.findall(r"<th>(.*?)</th>", page.split("</thead>")[0])
     i = head.index("seed")
-    cells = [re.findall(r"<td>(.*?)</td>", tr) for tr in page.split("</thead>")[1].split("</tr>")[:-1]]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", tr) for tr in page.split("</thead>")[1].split("</tr>")[:-1]]
     assert {html_lib.unescape(c[0]): c[i] for c in cells} == {
         "explore-0000": "7",
         "explore-0001": "7",
