@@ -1,7 +1,7 @@
 """`make bench`: the benchmarks in turn, results to bench/results.json, then the tables.
 
-python -m bench.run [--only NAME ...]   (names: step loaders checkpoints trial demo scale tune_memory cluster
-                                          coordinator_memory)
+python -m bench.run [--only NAME ...]   (names: step lm loaders checkpoints trial demo scale tune_memory
+                                          cluster coordinator_memory)
 Without --only every suite runs except the long scale runs in LONG (`make bench-scale`
 runs them; `make bench-cluster` is `--only cluster`). Figures not measured in a run are kept
 from the existing results.json; each figure records when it was measured, and the tables
@@ -23,6 +23,8 @@ from bench import table
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json")
 SUITES = {
     "step": "bench.step",
+    "cnn": "bench.cnn",
+    "lm": "bench.lm",
     "loaders": "bench.loaders",
     "checkpoints": "bench.checkpoints",
     "trial": "bench.trial_overhead",
