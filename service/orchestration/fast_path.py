@@ -42,14 +42,17 @@ def trial_store(plan: TrialPlan) -> CheckpointStore:
     return CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode)
 
 
-def train_in_trial(plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
-    """Train (or resume) the trial in this process; returns its kept checkpoints (URI, meta)."""
+def train_in_trial(
+    plan: TrialPlan, batch_source: loop.BatchSource | None, topo: Topology | None = None
+) -> list[tuple[str, dict]]:
+    """Train (or resume) the trial in this process, as world rank 0 of `topo` (a pooled trial,
+    `worker_pool`) or alone; returns its kept checkpoints (URI, meta)."""
     scaling, tr = plan.study.scaling, plan.study.training
     torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
     fence.claim(plan.trial_uri)  # a stranded earlier attempt of this trial writes nothing from now on
     store = trial_store(plan)
     saver = AsyncCheckpointer(store) if tr.async_checkpoint else SyncCheckpointer(store)
-    topo = Topology(node_id=ray.get_runtime_context().get_node_id())
+    topo = topo or Topology(node_id=ray.get_runtime_context().get_node_id())
     device = torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
     loop.train(plan, topo, TuneReporter(store), device, batch_source, checkpointer=saver)
     return store.complete()

@@ -25,13 +25,13 @@ from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
-from service.orchestration.tune_run import is_fast_path
+from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
 from service.planning.trial import TrialPlan
 from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
 from service.trainer import checkpoint, fence, loop
 from service.trainer.checkpoint import TrialState
-from service.trainer.topology import Topology, placement
+from service.trainer.topology import Topology, rank_topology
 
 MAX_WORKER_GROUP_RESTARTS = 2
 NOT_THE_USERS_PROBLEM = ("`broadcast_buffers` is deprecated",)
@@ -98,24 +98,14 @@ def newest_committed_sibling(fs: pafs.FileSystem, path: str) -> tuple[str, Trial
 
 def worker_topology() -> Topology:
     """This worker's place: host and local rank from the Ray node ids of the whole worker
-    group, in world-rank order (`topology.placement`)."""
+    group, in world-rank order (`topology.rank_topology`)."""
     ctx = ray.train.get_context()
     world_rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    node_id = ray.get_runtime_context().get_node_id()
-    node_ids = [node_id]
+    node_ids = [ray.get_runtime_context().get_node_id()]
     if world_size > 1:
         node_ids = [None] * world_size
-        dist.all_gather_object(node_ids, node_id)
-    host_rank, local_rank = placement(node_ids)[world_rank]
-    return Topology(
-        world_rank=world_rank,
-        world_size=world_size,
-        host_rank=host_rank,
-        num_hosts=len(set(node_ids)),
-        local_rank=local_rank,
-        workers_per_host=node_ids.count(node_id),
-        node_id=node_id,
-    )
+        dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
+    return rank_topology(node_ids, world_rank)
 
 
 def quiet_train_console() -> None:
@@ -129,7 +119,10 @@ def quiet_train_console() -> None:
 
 def log_known_warnings() -> None:
     """Warnings of `NOT_THE_USERS_PROBLEM` go to Ray Train's log file (INFO: below what its
-    console handler shows, see `quiet_train_console`); every other warning is shown as usual."""
+    console handler shows, see `quiet_train_console`); every other warning is shown as usual.
+    Once per process."""
+    if getattr(warnings.showwarning, "playbook", False):
+        return
     show = warnings.showwarning
     log = logging.getLogger("ray.train.playbook")
 
@@ -139,6 +132,7 @@ def log_known_warnings() -> None:
         else:
             show(message, category, filename, lineno, file, line)
 
+    showwarning.playbook = True
     warnings.showwarning = showwarning
 
 
@@ -190,16 +184,6 @@ def batch_source(study: Study) -> loop.BatchSource | None:
     return ray_data_source(inp.num_input_workers, inp.cpus_per_input_worker, inp.prefetch_batches)
 
 
-def placement_strategy(scaling) -> str:
-    """One worker per host: each on its own node (STRICT_SPREAD). Several per host: PACK,
-    which fills a node before the next, so nodes sized for `workers_per_host` workers get
-    exactly that many. The layout actually obtained is what the data is sharded over, and it
-    is recorded in the trial's topology.json (with a warning when it differs)."""
-    if scaling.num_hosts > 1 and scaling.workers_per_host == 1:
-        return "STRICT_SPREAD"
-    return "PACK"
-
-
 def scaling_config(scaling) -> ScalingConfig:
     """hosts x workers per host; one CPU share (and a GPU when asked) per worker."""
     gpu = {"GPU": 1} if scaling.use_gpu else {}
@@ -218,6 +202,11 @@ def torch_config(scaling):
     from ray.train.torch import TorchConfig
 
     return TorchConfig(timeout_s=scaling.collective_timeout_s)
+
+
+def worker_env(scaling) -> dict[str, str]:
+    """A training worker's environment: its threads, and the storage settings of the driver."""
+    return {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker))), **storage.forwarded_env()}
 
 
 def trainer_for(plan: TrialPlan, in_tune: bool):
@@ -247,12 +236,7 @@ def trainer_for(plan: TrialPlan, in_tune: bool):
             # Ray Train's per-report INFO lines would drown the coordinator's progress lines in
             # the job log; they still go to Ray's log files.
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={
-                "env_vars": {
-                    "OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker))),
-                    **storage.forwarded_env(),
-                }
-            },
+            worker_runtime_env={"env_vars": worker_env(scaling)},
         ),
     )
 
@@ -274,11 +258,19 @@ def tune_trial(config: dict, study: Study) -> None:
 
 def train_trial(plan: TrialPlan) -> dict:
     if is_fast_path(plan.study.scaling):
-        kept = fast_path.train_in_trial(plan, batch_source(plan.study))
-        return summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
+        return kept_summary(plan, fast_path.train_in_trial(plan, batch_source(plan.study)))
+    if reuses_workers(plan.study):
+        from service.orchestration import worker_pool
+
+        return kept_summary(plan, worker_pool.train_in_pool(plan, batch_source(plan.study)))
     result = trainer_for(plan, in_tune=True).fit()
     prune_unregistered(plan, result)
     return summarize(plan, result)
+
+
+def kept_summary(plan: TrialPlan, kept: list[tuple[str, dict]]) -> dict:
+    """The summary of a trial that kept its checkpoints itself (`CheckpointStore`: URI, meta)."""
+    return summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
 
 
 def failed_summary(plan: TrialPlan, error: DataError) -> dict:

@@ -80,11 +80,34 @@ def is_fast_path(scaling) -> bool:
     return scaling.world_size == 1
 
 
-def trial_resources(scaling) -> dict:
-    """What a Tune trial's own process reserves: a fast-path trial its one worker's CPUs (and
-    GPU); a Ray Train trial's driver no CPU or GPU (its workers reserve them)."""
+def reuses_workers(study: Study) -> bool:
+    """Multi-worker trials on CPU whose study asks for it (`scaling.reuse_workers`) train on a
+    pool of workers that a Tune run's next trial reuses (`service.orchestration.worker_pool`).
+    Not with Ray Data input workers, which Ray Train's worker group places for them."""
+    s = study.scaling
+    return s.reuse_workers and s.world_size > 1 and not s.use_gpu and study.input.workers != "ray_data"
+
+
+def placement_strategy(scaling) -> str:
+    """One worker per host: each on its own node (STRICT_SPREAD). Several per host: PACK,
+    which fills a node before the next, so nodes sized for `workers_per_host` workers get
+    exactly that many. The layout actually obtained is what the data is sharded over, and it
+    is recorded in the trial's topology.json (with a warning when it differs)."""
+    if scaling.num_hosts > 1 and scaling.workers_per_host == 1:
+        return "STRICT_SPREAD"
+    return "PACK"
+
+
+def trial_resources(study: Study):
+    """What a Tune trial reserves: a fast-path trial its one worker's CPUs (and GPU); a
+    pooled trial one bundle per worker (world rank 0 is the trial's own process, in the first);
+    a Ray Train trial's driver no CPU or GPU (its workers reserve them)."""
+    scaling = study.scaling
+    worker = {"CPU": scaling.cpus_per_worker, **({"GPU": 1} if scaling.use_gpu else {})}
     if is_fast_path(scaling):
-        return {"cpu": scaling.cpus_per_worker, **({"gpu": 1} if scaling.use_gpu else {})}
+        return {k.lower(): v for k, v in worker.items()}
+    if reuses_workers(study):
+        return tune.PlacementGroupFactory([worker] * scaling.world_size, strategy=placement_strategy(scaling))
     return {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY}
 
 
@@ -103,7 +126,7 @@ def study_trainable(study: Study):
     (with the other study's spec and storage)."""
     trainable = tune.with_parameters(tune_trial, study=study)
     trainable.__name__ = f"playbook-{study.name}"
-    return tune.with_resources(trainable, trial_resources(study.scaling))
+    return tune.with_resources(trainable, trial_resources(study))
 
 
 @ray.remote(num_cpus=0)

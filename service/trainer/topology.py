@@ -47,6 +47,30 @@ def placement(node_ids: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+def world_order(rank0_node: str, worker_nodes: list[str]) -> list[int]:
+    """World ranks 1.. of a group whose rank 0 is on `rank0_node`: the other workers (indices
+    into `worker_nodes`, their nodes) in world-rank order. Those on rank 0's node first, then
+    each other node's (by node id), so that every node's workers hold consecutive world ranks,
+    as Ray Train gives them (`placement`)."""
+    nodes = [rank0_node, *sorted(set(worker_nodes) - {rank0_node})]
+    return sorted(range(len(worker_nodes)), key=lambda i: (nodes.index(worker_nodes[i]), i))
+
+
+def rank_topology(node_ids: list[str], world_rank: int) -> Topology:
+    """World rank `world_rank`'s place, from the Ray node id of every world rank (`placement`)."""
+    host_rank, local_rank = placement(node_ids)[world_rank]
+    node_id = node_ids[world_rank]
+    return Topology(
+        world_rank=world_rank,
+        world_size=len(node_ids),
+        host_rank=host_rank,
+        num_hosts=len(set(node_ids)),
+        local_rank=local_rank,
+        workers_per_host=node_ids.count(node_id),
+        node_id=node_id,
+    )
+
+
 def init_seed(trial_seed: int) -> int:
     return int(np.random.SeedSequence([trial_seed, 0]).generate_state(1)[0])
 

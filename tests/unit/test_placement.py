@@ -27,3 +27,20 @@ def test_every_placement_of_a_layout_gives_world_rank_r_the_same_place():
 def test_one_host():
     assert placement(["n"]) == [(0, 0)]
     assert placement(["n", "n", "n"]) == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_a_pool_in_any_bundle_order_gives_world_rank_r_the_layout_place():
+    """A reused pool's ranks (`worker_pool`): rank 0 is the trial's process, the other workers
+    come in bundle order from wherever Ray put them. 3 hosts x 2 workers, rank 0 on node b2:
+    every bundle order ranks each node's workers consecutively, so world rank r gets
+    (r // 2, r % 2) (worked out by hand) and the nodes hold ranks 0-1 (b2), 2-3 (a1), 4-5 (c3)."""
+    from itertools import permutations
+
+    from service.trainer.topology import world_order
+
+    for bundles in set(permutations(["b2", "a1", "a1", "c3", "c3"])):
+        order = world_order("b2", list(bundles))
+        assert sorted(order) == list(range(5))
+        node_of_rank = ["b2", *(bundles[i] for i in order)]
+        assert node_of_rank == ["b2", "b2", "a1", "a1", "c3", "c3"]
+        assert placement(node_of_rank) == [(r // 2, r % 2) for r in range(6)]

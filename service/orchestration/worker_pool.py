@@ -1,0 +1,206 @@
+"""Multi-worker trials that reuse their workers (`scaling.reuse_workers`): a Tune run's trials
+share one pool of worker processes and their gloo process group, instead of a Ray Train
+controller, placement group and worker group started for every trial (docs/performance.md).
+
+- Placement: the trial reserves one bundle per worker through Tune (`tune_run.trial_resources`,
+  the placement strategy of a Ray Train trial). World rank 0 is the Tune trial's own process,
+  in the first bundle, which trains and reports like the single-worker fast path; the pool's
+  actors, one in each other bundle, are world ranks 1.. . A node's workers get consecutive
+  world ranks, rank 0's node first, so hosts and local ranks follow from the node ids exactly
+  as on Ray Train (`topology.placement`).
+- Reuse: Tune hands a finished trial's process to the run's next trial (`reuse_actors`); the
+  pool, kept in this module, serves it. Every trial builds its own model, optimizer, RNG and
+  data stream from its own seeds on every rank (`trainer.loop`), so a trial computes the same
+  on a reused pool as on a new one.
+- Failures: a rank that fails ends the trial on every rank (a failed actor's peers are killed,
+  which breaks rank 0's collectives), the pool is closed, and the error goes to Tune, which
+  restarts the trial in a new process with a new pool; it resumes from its latest complete
+  checkpoint on storage (rank 0 keeps them, `trainer.checkpoint_store`; every rank reads it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import RayActorError
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from service.orchestration import fast_path, launch
+from service.planning.trial import TrialPlan
+from service.trainer import loop
+from service.trainer.checkpoint import TrialState
+from service.trainer.checkpoint_store import CheckpointStore
+from service.trainer.topology import Topology, rank_topology, world_order
+
+BACKEND = "gloo"
+WATCH_INTERVAL_S = 0.2
+_pool: WorkerPool | None = None
+"""This trial process's pool, kept for the Tune run's next trial."""
+
+
+def train_in_pool(plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
+    """Train (or resume) a multi-worker trial on this process's pool, started on first use;
+    returns its kept checkpoints (URI, meta). A trial that fails closes the pool."""
+    global _pool
+    pool, _pool = _pool, None
+    if pool is None or not pool.serves(plan.study.scaling):
+        if pool is not None:
+            pool.close()
+        pool = WorkerPool(plan.study.scaling)
+    kept = pool.train(plan, batch_source)
+    _pool = pool
+    return kept
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def join_group(address: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """This process as `rank` of the pool's process group, whose collectives fail after
+    `scaling.collective_timeout_s` (as a Ray Train worker group's do, `launch.torch_config`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(BACKEND, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
+
+
+class PeerReporter:
+    """`loop.Reporter` of world ranks 1..: rank 0 reports to Tune and keeps the checkpoints;
+    every rank resumes from the latest complete checkpoint on storage."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        pass
+
+    def restore(self) -> TrialState | None:
+        return self.store.latest_state()
+
+
+@ray.remote
+class PoolWorker:
+    """One of world ranks 1.. of a pool: a process in the pool's process group that trains
+    trial after trial."""
+
+    def __init__(self):
+        launch.log_known_warnings()
+        launch.quiet_exit_on_sigterm()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def join(self, address: str, rank: int, world_size: int, timeout_s: float) -> None:
+        join_group(address, rank, world_size, timeout_s)
+
+    def train(self, plan: TrialPlan, topo: Topology) -> None:
+        torch.set_num_threads(max(1, int(plan.study.scaling.cpus_per_worker)))
+        reporter = PeerReporter(fast_path.trial_store(plan))
+        loop.train(plan, topo, reporter, torch.device("cpu"), launch.batch_source(plan.study))
+
+
+class WorkerPool:
+    """World ranks 1.. as actors in this trial's placement group (rank 0 is this process),
+    joined with this process in one process group."""
+
+    def __init__(self, scaling):
+        launch.log_known_warnings()  # rank 0 builds DDP in this process
+        self.scaling, self.group = scaling, get_current_placement_group()
+        workers = [self._start(bundle) for bundle in range(1, scaling.world_size)]
+        rank0_node = ray.get_runtime_context().get_node_id()
+        nodes = ray.get([w.node_id.remote() for w in workers])
+        order = world_order(rank0_node, nodes)
+        self.workers = [workers[i] for i in order]
+        node_ids = [rank0_node, *(nodes[i] for i in order)]
+        self.topologies = [rank_topology(node_ids, rank) for rank in range(len(node_ids))]
+        try:
+            self._join()
+        except Exception:
+            self.kill_workers()
+            raise
+
+    def _start(self, bundle: int):
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+        return PoolWorker.options(
+            num_cpus=self.scaling.cpus_per_worker,
+            scheduling_strategy=strategy,
+            runtime_env={"env_vars": launch.worker_env(self.scaling)},
+        ).remote()
+
+    def _join(self) -> None:
+        address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        size, timeout_s = len(self.topologies), self.scaling.collective_timeout_s
+        joined = [w.join.remote(address, rank, size, timeout_s) for rank, w in enumerate(self.workers, 1)]
+        join_group(address, 0, size, timeout_s)
+        ray.get(joined)
+
+    def serves(self, scaling) -> bool:
+        """Whether this pool has the layout of `scaling`, in this process's placement group."""
+        return scaling == self.scaling and get_current_placement_group() == self.group
+
+    def train(self, plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
+        """One trial on every rank: rank 0 here, the others on the pool's actors."""
+        peers = zip(self.workers, self.topologies[1:], strict=True)
+        futures = [w.train.remote(plan, topo) for w, topo in peers]
+        done = threading.Event()
+        threading.Thread(target=self._watch, args=(futures, done), daemon=True).start()
+        try:
+            kept = fast_path.train_in_trial(plan, batch_source, self.topologies[0])
+            ray.get(futures)
+        except Exception as e:
+            self.close()
+            cause = worker_error(futures)  # what failed first, rather than rank 0's broken collective
+            if cause is None:
+                raise
+            raise cause from e
+        finally:
+            done.set()
+        return kept
+
+    def _watch(self, futures: list, done: threading.Event) -> None:
+        """Kill the pool's actors as soon as one of them fails: rank 0, waiting for the failed
+        rank in a collective, then fails too instead of waiting forever."""
+        pending = list(futures)
+        while pending and not done.is_set():
+            ready, pending = ray.wait(pending, timeout=WATCH_INTERVAL_S)
+            if any(failed(f) for f in ready):
+                self.kill_workers()
+                return
+
+    def kill_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+
+    def close(self) -> None:
+        self.kill_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def failed(future) -> bool:
+    try:
+        ray.get(future)
+    except Exception:
+        return True
+    return False
+
+
+def worker_error(futures: list) -> Exception | None:
+    """The error that a pool actor's trial raised (a DataError keeps its type through Ray);
+    None if none raised one (an actor that died or was killed raised nothing)."""
+    ready, _ = ray.wait(futures, num_returns=len(futures), timeout=5)
+    for f in ready:
+        try:
+            ray.get(f)
+        except RayActorError:
+            continue
+        except Exception as e:
+            return e
+    return None
