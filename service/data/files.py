@@ -165,10 +165,11 @@ class ParquetReader:
         fs, path = storage.split(uri)
         try:
             # Local files through pyarrow's own file (a window decodes faster than through a
-            # Python file object, docs/performance.md); any other storage through fsspec, read
-            # on the calling thread (see `read_row_group`).
+            # Python file object, docs/performance.md), read as the decoder asks (pre-buffering
+            # a row group's column chunks first costs a copy); any other storage through
+            # fsspec, read on the calling thread (see `read_row_group`).
             source = path if is_local(uri) else fs.open(path, "rb")
-            pf = pq.ParquetFile(source, metadata=footer, pre_buffer=is_local(uri))
+            pf = pq.ParquetFile(source, metadata=footer)
         except (OSError, pa.ArrowException) as e:
             raise unreadable(uri, e) from None
         try:
@@ -192,17 +193,19 @@ class ParquetReader:
         md = self._footer(uri)
         return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
-    def read_row_group(self, uri: str, index: int) -> pa.Table:
-        """One row group's columns. A file read through a Python file object (fsspec: any but a
-        local file; likewise Python bytes in a BytesIO) is read and decoded on the calling
-        thread (no pre-buffering, no Arrow threads): the buffers it returns are Python
-        objects, and an Arrow pool thread that drops the last reference to one must take the
-        GIL, which kills that thread (std::terminate: `terminate called without an active
-        exception`, exit 134) when the interpreter is exiting by then. Several row groups are
-        still read at once on the loader's own threads."""
+    def read_row_group(self, uri: str, index: int, threads: bool = False) -> pa.Table:
+        """One row group's columns, decoded on the calling thread, or with `threads` on Arrow's
+        threads too (a local file only: the loader reads several row groups at once on its own
+        threads, where Arrow's would only compete with them). A file read through a Python file
+        object (fsspec: any but a local file; likewise Python bytes in a BytesIO) never uses
+        Arrow's threads: the buffers it returns are Python objects, and an Arrow pool thread
+        that drops the last reference to one must take the GIL, which kills that thread
+        (std::terminate: `terminate called without an active exception`, exit 134) when the
+        interpreter is exiting by then."""
         with self._open(uri, self._footer(uri)) as pf:
             try:
-                return pf.read_row_group(index, columns=list(self.columns), use_threads=is_local(uri))
+                columns, threads = list(self.columns), threads and is_local(uri)
+                return pf.read_row_group(index, columns=columns, use_threads=threads)
             except (OSError, pa.ArrowException) as e:
                 bad = self._bad_column(pf, index)
                 error = unreadable(uri, e)

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,12 +112,12 @@ class WindowReader:
         self.cache_free = cache_bytes
         self._cache_lock = threading.Lock()
 
-    def _cached_read(self, p: Piece) -> pa.Table:
+    def _cached_read(self, p: Piece, threads: bool = False) -> pa.Table:
         cache = self.cache
         table = cache.get(p) if cache is not None else None
         if table is not None:
             return table
-        table = self.reader.read_row_group(p.uri, p.row_group).slice(p.lo, p.num_rows)
+        table = self.reader.read_row_group(p.uri, p.row_group, threads).slice(p.lo, p.num_rows)
         with self._cache_lock:
             if self.cache is not None:
                 self.cache_free -= table.get_total_buffer_size()  # a slice holds its row group
@@ -130,14 +130,31 @@ class WindowReader:
     def read(self, pieces: list[Piece]) -> Batch:
         t0 = time.perf_counter()
         table = self.read_table(pieces)
-        t1 = time.perf_counter()
+        self.stats.read_s += time.perf_counter() - t0
+        return self.to_batch(table, pieces)
+
+    def start(self, pieces: tuple[Piece, ...]) -> list[Future]:
+        """Start reading the pieces on the reader's threads (a window read ahead, while the
+        caller works on the one before); `finish` takes their rows."""
+        return [self._threads().submit(_timed, self._cached_read, p) for p in pieces]
+
+    def finish(self, started: list[Future]) -> pa.Table:
+        """The rows of a started window, in piece order (waits for its reads). Its read time
+        is the span from its first read's start to its last read's end."""
+        timed = [f.result() for f in started]
+        self.stats.read_s += max(t[2] for t in timed) - min(t[1] for t in timed)
+        tables = [t[0] for t in timed]
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+    def to_batch(self, table: pa.Table, pieces: list[Piece]) -> Batch:
+        """The workload's tensors of a window's rows, with their `example_id`."""
+        t0 = time.perf_counter()
         try:
             tensors = self.workload.to_batch(table)
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise DataError(self.where_to_batch_fails(table, pieces, e)) from None
         tensors["example_id"] = example_ids(table, self.workload, pieces[0].uri)
-        self.stats.read_s += t1 - t0
-        self.stats.preprocess_s += time.perf_counter() - t1
+        self.stats.preprocess_s += time.perf_counter() - t0
         return tensors
 
     def where_to_batch_fails(self, table: pa.Table, pieces: list[Piece], error: Exception) -> str:
@@ -162,16 +179,25 @@ class WindowReader:
         once: pyarrow decodes without the GIL, so a window decodes on several cores (as one
         `pq.read_table` of the files would)."""
 
-        if len(pieces) == 1:
-            return self._cached_read(pieces[0])
+        if len(pieces) == 1:  # decoded on Arrow's threads
+            return self._cached_read(pieces[0], threads=True)
+        return pa.concat_tables(list(self._threads().map(self._cached_read, pieces)))
+
+    def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READ_THREADS, "playbook-read")
-        return pa.concat_tables(list(self._pool.map(self._cached_read, pieces)))
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(cancel_futures=True)  # a window read ahead is dropped
             self._pool = None
+
+
+def _timed(read: Callable[[Piece], pa.Table], piece: Piece) -> tuple[pa.Table, float, float]:
+    start = time.perf_counter()
+    table = read(piece)
+    return table, start, time.perf_counter()
 
 
 def _converts(workload: Workload, table: pa.Table) -> bool:
@@ -222,29 +248,75 @@ def example_ids(table: pa.Table, workload: Workload, uri: str) -> torch.Tensor:
     return torch.from_numpy(column.to_numpy().astype(np.int64))
 
 
-def rebatch(chunks: Iterator[Batch], batch_size: int, keep_last: bool) -> Iterator[Batch]:
+class Rows:
+    """A chunk's rows, served in order (`take(lo, hi)`: rows lo..hi-1, as views)."""
+
+    def __init__(self, tensors: Batch):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(next(iter(self.tensors.values())))
+
+    def take(self, lo: int, hi: int) -> Batch:
+        return {k: v[lo:hi] for k, v in self.tensors.items()}
+
+
+class Shuffled(Rows):
+    """A window's rows in the order `order` (`take(lo, hi)`: the rows order[lo:hi]), gathered
+    a batch at a time: each batch owns small tensors from memory the allocator reuses, where a
+    shuffled copy of the whole window would take fresh pages every window."""
+
+    def __init__(self, tensors: Batch, order: np.ndarray):
+        super().__init__(tensors)
+        self.order = order
+        self.arrays = {k: _numpy_view(v) for k, v in tensors.items()}
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def take(self, lo: int, hi: int) -> Batch:
+        rows = self.order[lo:hi]
+        return {k: _gather(v, self.arrays[k], rows) for k, v in self.tensors.items()}
+
+
+def _numpy_view(v: torch.Tensor) -> np.ndarray | None:
+    """The tensor's memory as a numpy array, or None where numpy has no such dtype (bfloat16)."""
+    try:
+        return v.numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _gather(v: torch.Tensor, array: np.ndarray | None, rows: np.ndarray) -> torch.Tensor:
+    """Rows `rows` of `v` (numpy's take on whole rows is the cheapest gather per call)."""
+    if array is None:
+        return v.index_select(0, torch.from_numpy(rows))
+    return torch.from_numpy(array.take(rows, axis=0))
+
+
+def rebatch(chunks: Iterator[Batch | Rows], batch_size: int, keep_last: bool) -> Iterator[Batch]:
     """Chunks of any size -> batches of exactly `batch_size` rows (and a short last one when
     `keep_last`), without a per-example loop."""
     for run in rebatch_runs(chunks, batch_size, keep_last):
         yield from run
 
 
-def rebatch_runs(chunks: Iterator[Batch], batch_size: int, keep_last: bool) -> Iterator[list[Batch]]:
+def rebatch_runs(chunks: Iterator[Batch | Rows], batch_size: int, keep_last: bool) -> Iterator[list[Batch]]:
     """`rebatch`, as one list per chunk of the batches that chunk completes."""
     carry: Batch | None = None
     for chunk in chunks:
-        run, start = [], 0
+        rows = chunk if isinstance(chunk, Rows) else Rows(chunk)
+        n, run, start = len(rows), [], 0
         if carry is not None:
             # Only the rows that complete the carried batch are copied, not the whole chunk.
-            start = batch_size - len(carry["label"])
-            carry = {k: torch.cat([carry[k], v[:start]]) for k, v in chunk.items()}
+            start = min(n, batch_size - len(carry["label"]))
+            carry = {k: torch.cat([carry[k], v]) for k, v in rows.take(0, start).items()}
             if len(carry["label"]) < batch_size:  # a chunk shorter than the gap
                 continue
             run.append(carry)
-        n = len(chunk["label"])
         full = start + (n - start) // batch_size * batch_size
-        run += [{k: v[s : s + batch_size] for k, v in chunk.items()} for s in range(start, full, batch_size)]
-        carry = {k: v[full:] for k, v in chunk.items()} if full < n else None
+        run += [rows.take(s, s + batch_size) for s in range(start, full, batch_size)]
+        carry = rows.take(full, n) if full < n else None
         if run:
             yield run
     if keep_last and carry is not None:
@@ -295,24 +367,36 @@ class TrainStream:
             epoch += 1
 
     def load(self, task: WindowTask, reader: WindowReader) -> Batch:
-        """One window's rows, augmented by the workload (`augment`, from the data seed and the
-        epoch), shuffled with (data_seed, epoch, window), from its offset on."""
-        tensors = reader.read(list(task.pieces))
+        """One window's rows, augmented and shuffled (`shuffled`), from its offset on, as one batch."""
+        window = self.shuffled(task, reader.read(list(task.pieces)))
+        return window.take(0, len(window))
+
+    def shuffled(self, task: WindowTask, tensors: Batch) -> Shuffled:
+        """A window's tensors augmented by the workload (`augment`, from the data seed and the
+        epoch), in the window's order (data_seed, epoch, window), from its offset on."""
         start = time.perf_counter()
         tensors = self.workload.augment(tensors, self.hparams, self.data_seed, task.epoch)
         self.stats.augment_s += time.perf_counter() - start
         rows = sum(p.num_rows for p in task.pieces)
         perm = np.random.default_rng([self.data_seed, task.epoch, task.window]).permutation(rows)
-        keep = torch.from_numpy(perm[task.offset :])
-        # index_select gathers whole rows of a contiguous tensor (several times faster than
-        # advanced indexing with an index tensor).
-        return {k: v.index_select(0, keep) for k, v in tensors.items()}
+        return Shuffled(tensors, perm[task.offset :])
 
-    def _chunks(self, position: int, stats: LoaderStats) -> Iterator[Batch]:
+    def _chunks(self, position: int, stats: LoaderStats) -> Iterator[Shuffled]:
+        """The shuffled windows from example `position` on, each window's row groups decoded on
+        the reader's threads while the one before is turned into tensors and consumed (memory:
+        two windows' rows, whatever the data size)."""
         reader = WindowReader(self.workload, stats, self.cache_bytes)
+        tasks = self.plan(position)
         try:
-            for task in self.plan(position):
-                yield self.load(task, reader)
+            task = next(tasks)
+            started = reader.start(task.pieces)
+            for following in tasks:
+                table = reader.finish(started)
+                started = reader.start(following.pieces)
+                tensors = reader.to_batch(table, list(task.pieces))
+                del table  # its rows are in the tensors now
+                yield self.shuffled(task, tensors)
+                task = following
         finally:
             reader.close()
 

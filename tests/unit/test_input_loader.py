@@ -19,9 +19,9 @@ import torch
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 from service.core.errors import DataError
-from service.data.files import list_files
+from service.data.files import ParquetReader, list_files
 from service.data.loader import TrainStream, eval_batches, iterate_files
-from service.data.prefetch import Prefetcher, prefetch
+from service.data.prefetch import Prefetcher, prefetch, prefetch_stream
 from service.data.sharding import RowRange
 from service.workloads.digits import Digits
 from tests.helpers.parquet_files import corrupt_column
@@ -175,6 +175,80 @@ def test_any_start_step_continues_the_same_sequence(many_groups):
                 assert torch.equal(got[key], want[key]), (start, key)
     other = [b for _, b in zip(range(40), make(5).iterate(0), strict=False)]
     assert ids_of(other) != ids_of(reference)
+
+
+def documented_order(ranges: list[RowRange], seed: int, window: int, epochs: int) -> dict[str, np.ndarray]:
+    """The training sequence as loader.py's docstring states it, by hand with pyarrow and numpy:
+    each epoch the shard's pieces (row groups cut to the ranges) in the order permutation(seed,
+    epoch), cut into windows of `window` pieces, each window's rows in the order
+    permutation(seed, epoch, window)."""
+    pieces = []
+    for r in ranges:
+        pf, offset = pq.ParquetFile(r.file.uri), 0
+        for g in range(pf.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            lo, hi = max(r.start, offset), min(r.stop, offset + n)
+            if lo < hi:
+                pieces.append(pf.read_row_group(g).slice(lo - offset, hi - lo))
+            offset += n
+    out = []
+    for epoch in range(epochs):
+        order = np.random.default_rng([seed, epoch]).permutation(len(pieces))
+        for w, start in enumerate(range(0, len(order), window)):
+            rows = pa.concat_tables([pieces[i] for i in order[start : start + window]])
+            out.append(rows.take(np.random.default_rng([seed, epoch, w]).permutation(rows.num_rows)))
+    table = pa.concat_tables(out)
+    pixels = table.column("pixels").combine_chunks().flatten().to_numpy().reshape(-1, 1, 8, 8)
+    return {"example_id": table.column("example_id").to_numpy(), "features": pixels}
+
+
+def test_the_read_ahead_stream_is_the_documented_order_from_every_start_step(many_groups):
+    """The stream (windows read ahead, batches gathered from each shuffled window) gives the
+    batch of step s as the documented order computed by hand, from step 0, from any start step
+    (a resume) and through the prefetch thread."""
+    ranges, _ = many_groups
+    batch, window, seed = 7, 3, 6
+    want = documented_order(ranges, seed, window, epochs=3)
+    make = lambda: TrainStream(Digits(), ranges, batch, data_seed=seed, shuffle_window_row_groups=window)  # noqa: E731
+    steps = len(want["example_id"]) // batch
+    for start in (0, 1, 4, 11, 12, steps // 3 + 1):  # mid-window, window and epoch edges
+        for prefetched in (False, True):
+            stream = make()
+            batches = prefetch_stream(stream, start, 2) if prefetched else stream.iterate(start)
+            for s in range(start, steps):
+                got = next(batches)
+                rows = slice(s * batch, (s + 1) * batch)
+                assert got["example_id"].tolist() == want["example_id"][rows].tolist(), (start, s)
+                assert np.array_equal(got["features"].numpy(), want["features"][rows]), (start, s)
+            if prefetched:
+                batches.close()
+
+
+def test_the_next_window_is_read_while_this_one_becomes_tensors(many_groups, monkeypatch):
+    """While `to_batch` turns a window's rows into tensors, the next window's row groups are
+    already being read (on the reader's threads)."""
+    ranges, _ = many_groups
+    reads = threading.Semaphore(0)
+    real_read = ParquetReader.read_row_group
+
+    def counted(self, *args, **kwargs):
+        reads.release()
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(ParquetReader, "read_row_group", counted)
+    window, seen = 2, []
+
+    class Watching(Digits):
+        def to_batch(self, table):  # the pieces of this window and the next one have started
+            started = sum(reads.acquire(timeout=5) for _ in range(2 * window if not seen else window))
+            seen.append(started)
+            return super().to_batch(table)
+
+    stream = TrainStream(Watching(), ranges, 5, data_seed=1, shuffle_window_row_groups=window)
+    batches = stream.iterate(0)
+    while len(seen) < 3:
+        next(batches)
+    assert seen[:3] == [2 * window, window, window]
 
 
 def test_a_cached_shard_gives_the_same_batches_and_reads_no_file_after_its_first_epoch(tmp_path):
@@ -333,8 +407,8 @@ def measure(directory, rows: int) -> dict:
 
 def test_loader_memory_does_not_grow_with_the_dataset(tmp_path):
     """One epoch over 20k rows and over 200k rows (10x, ~50 MiB of pixels): the arrow pool's
-    peak and the process's peak RSS growth stay about the same (bounded by the shuffle window
-    and the prefetch queue, not by the data)."""
+    peak and the process's peak RSS growth stay about the same (bounded by the shuffle window,
+    the one read ahead and the prefetch queue, not by the data)."""
     sizes = {"small": 20_000, "large": 200_000}
     for name, rows in sizes.items():
         (tmp_path / name).mkdir()
@@ -348,8 +422,11 @@ def test_loader_memory_does_not_grow_with_the_dataset(tmp_path):
     small, large = measure(tmp_path / "small", sizes["small"]), measure(tmp_path / "large", sizes["large"])
     print("loader memory", small, large)
     data_bytes = sizes["large"] * 64 * 4
+    window_bytes = 4 * 2000 * (64 * 4 + 8 + 8)  # the default 4 row groups of 2000 rows
     assert large["arrow_peak"] < 2 * small["arrow_peak"] + (1 << 20)
-    assert large["arrow_peak"] < data_bytes / 10
+    # Two windows' rows (the one turned into tensors, the next one read ahead) and the decoder's
+    # buffers of the row groups it decodes.
+    assert large["arrow_peak"] < 4 * window_bytes
     # Resident growth includes a fixed ~90 MB (threads, first torch ops, lazily loaded code);
     # what the 10x data adds must be a small fraction of the 51 MB more data.
     assert large["rss_growth"] - small["rss_growth"] < data_bytes / 10
