@@ -71,3 +71,25 @@ def test_the_documented_multihost_example_runs_on_exactly_its_cpus(
     with open(os.path.join(study.study_uri, "trials", row["trial_name"], "topology.json")) as f:
         ranks = json.load(f)["ranks"]
     assert sorted((r["host_rank"], r["local_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_example_on_a_reused_pool_runs_on_exactly_its_cpus(two_hosts_of_two_cpus, digits_dir, tmp_path):
+    """The same layout with `scaling.reuse_workers`: the trial's own process is world rank 0,
+    the pool's actors the others, all four in the trial's placement group on exactly the
+    cluster's CPUs; the second trial runs on the first one's processes; each node holds one
+    host's ranks."""
+    d = spec.to_dict(documented_example(digits_dir, tmp_path))
+    d["scaling"]["reuse_workers"] = True
+    d["rounds"] = [{"name": "explore", "num_trials": 2}]
+    study = spec.load_dict(d)
+    rows = run_within_timeout(study)
+    assert [r["status"] for r in rows] == ["FINISHED", "FINISHED"]
+    layouts = []
+    for row in rows:
+        with open(os.path.join(study.study_uri, "trials", row["trial_name"], "topology.json")) as f:
+            ranks = sorted(json.load(f)["ranks"], key=lambda r: r["world_rank"])
+        assert [(r["host_rank"], r["local_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        nodes = [r["node_id"] for r in ranks]
+        assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+        layouts.append([(r["pid"], r["node_id"]) for r in ranks])
+    assert layouts[0] == layouts[1]  # the same processes, in the same places
