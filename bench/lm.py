@@ -2,7 +2,7 @@
 the `lm` workload over a bare PyTorch loop of the same model, optimizer, batch, precision and
 data (the corpus's training sequences as tensors in memory, a permutation per epoch).
 
-Importable without Ray: bench/gpu.py calls `measure(device=cuda)`.
+Importable without Ray, for bench/gpu.py's CUDA runs: `measure(Setup(device="cuda", ...))`.
 
     python -m bench.lm
 """
@@ -13,6 +13,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 
 import pyarrow.parquet as pq
 import torch
@@ -27,59 +28,77 @@ from service.study import spec
 from service.trainer import loop
 from service.trainer.topology import Topology
 
-SEQ_LEN, BATCH, STEPS, REPEATS, CORPUS_BYTES = 128, 16, 60, 5, 600_000
-HPARAMS = {"learning_rate": 1e-3, "depth": 2, "width": 64, "heads": 4, "context": SEQ_LEN}
+
+@dataclass(frozen=True)
+class Setup:
+    """One measurement's model, batch, length and precision (the same for both loops)."""
+
+    steps: int = 60
+    batch: int = 16
+    seq_len: int = 128
+    hparams: dict = field(default_factory=lambda: {"depth": 2, "width": 64, "heads": 4})
+    precision: str = "fp32"
+    device: str = "cpu"
+    learning_rate: float = 1e-3
+
+    @property
+    def model_hparams(self) -> dict:
+        return {**self.hparams, "context": self.seq_len, "learning_rate": self.learning_rate}
 
 
-def study(data_dir: str, storage: str, steps: int, batch: int, precision: str, device) -> spec.Study:
+REPEATS, CORPUS_BYTES = 5, 600_000
+
+
+def study(data_dir: str, storage: str, setup: Setup) -> spec.Study:
     training = {
-        "max_train_steps": steps,
-        "batch_size": batch,
-        "eval_batch_size": batch,
-        "eval_every_steps": steps,  # one eval + checkpoint, after the timed steps
+        "max_train_steps": setup.steps,
+        "batch_size": setup.batch,
+        "eval_batch_size": setup.batch,
+        "eval_every_steps": setup.steps,  # one eval + checkpoint, after the timed steps
         "metric": "validation/loss",
         "optimizer": "adamw",
         "schedule": {"kind": "constant"},
     }
-    if precision != "fp32":  # a study without the field is fp32, whatever the service's version
-        training["precision"] = precision
+    if setup.precision != "fp32":  # a study without the field is fp32, whatever the version
+        training["precision"] = setup.precision
     return spec.load_dict(
         {
             "name": "bench-lm",
             "workload": "lm",
             "data": {"train": f"{data_dir}/train", "validation": f"{data_dir}/validation"},
             "storage": storage,
-            "scaling": {"use_gpu": torch.device(device).type == "cuda"},
+            "scaling": {"use_gpu": torch.device(setup.device).type == "cuda"},
             "training": training,
-            "search": {"learning_rate": {"role": "fixed", "value": HPARAMS["learning_rate"]}},
+            "search": {"learning_rate": {"role": "fixed", "value": setup.learning_rate}},
             "rounds": [{"name": "r", "num_trials": 1}],
         }
     )
 
 
-def service_steps_per_s(data_dir, storage, steps, batch, precision="fp32", device="cpu") -> float:
-    s = study(data_dir, storage, steps, batch, precision, device)
-    plan = TrialPlan(s, f"r-{time.monotonic_ns()}", "r", dict(HPARAMS), steps)
+def service_steps_per_s(data_dir: str, storage: str, setup: Setup) -> float:
+    s = study(data_dir, storage, setup)
+    plan = TrialPlan(s, f"r-{time.monotonic_ns()}", "r", setup.model_hparams, setup.steps)
     reporter = Discard()
-    loop.train(plan, Topology(), reporter, torch.device(device))
+    loop.train(plan, Topology(), reporter, torch.device(setup.device))
     return reporter.rows[-1]["steps_per_s"]
 
 
-def bare_steps_per_s(data_dir, steps, batch, precision="fp32", device="cpu") -> float:
+def bare_steps_per_s(data_dir: str, setup: Setup) -> float:
     """What one writes by hand: the sequences in memory, the model, AdamW, the masked loss."""
-    device = torch.device(device)
+    device, batch = torch.device(setup.device), setup.batch
     workload = workloads.get("lm")
     data = {k: v.to(device) for k, v in workload.to_batch(pq.read_table(f"{data_dir}/train")).items()}
     n = len(data["label"])
-    positions = torch.arange(SEQ_LEN, device=device)
+    positions = torch.arange(setup.seq_len, device=device)
     torch.manual_seed(0)
-    model = workload.build_model(HPARAMS).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=HPARAMS["learning_rate"], weight_decay=0.0)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    model = workload.build_model(setup.model_hparams).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.learning_rate, weight_decay=0.0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
     perm, pos = torch.randperm(n, device=device), 0
     synchronize(device)
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(setup.steps):
         if pos + batch > n:
             perm, pos = torch.randperm(n, device=device), 0
         i = perm[pos : pos + batch]
@@ -90,10 +109,11 @@ def bare_steps_per_s(data_dir, steps, batch, precision="fp32", device="cpu") -> 
             logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     synchronize(device)
-    return steps / (time.perf_counter() - start)
+    return setup.steps / (time.perf_counter() - start)
 
 
 def synchronize(device: torch.device) -> None:
@@ -101,37 +121,32 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(
-    steps=STEPS, batch=BATCH, repeats=REPEATS, precision="fp32", device="cpu", corpus_bytes=CORPUS_BYTES
-) -> dict:
+def measure(setup: Setup, repeats: int = REPEATS, corpus_bytes: int = CORPUS_BYTES) -> dict:
     """Medians over `repeats` alternating runs of each loop, in tokens (sequence positions) per
-    second; the corpus is written once to a temporary folder."""
+    second, after one untimed run of each on CUDA; the corpus is written once to a temporary
+    folder."""
     with tempfile.TemporaryDirectory(prefix="playbook-bench-lm-") as tmp:
-        write_text(f"{tmp}/data", corpus_bytes, SEQ_LEN)
-        service, bare = [], []
+        data, storage, service, bare = f"{tmp}/data", f"{tmp}/studies", [], []
+        write_text(data, corpus_bytes, setup.seq_len)
+        if torch.device(setup.device).type == "cuda":  # kernels' first launches and autotuning
+            service_steps_per_s(data, storage, setup), bare_steps_per_s(data, setup)
         for _ in range(repeats):
-            service.append(
-                service_steps_per_s(f"{tmp}/data", f"{tmp}/studies", steps, batch, precision, device)
-            )
-            bare.append(bare_steps_per_s(f"{tmp}/data", steps, batch, precision, device))
-    tokens = batch * SEQ_LEN
+            service.append(service_steps_per_s(data, storage, setup))
+            bare.append(bare_steps_per_s(data, setup))
+    tokens = setup.batch * setup.seq_len
     return {
         "service_tokens_per_s": statistics.median(service) * tokens,
         "bare_tokens_per_s": statistics.median(bare) * tokens,
         "service_runs_steps_per_s": service,
         "bare_runs_steps_per_s": bare,
-        "steps": steps,
-        "batch_size": batch,
-        "seq_len": SEQ_LEN,
-        "precision": precision,
-        "device": str(device),
-        "model": {k: v for k, v in HPARAMS.items() if k != "learning_rate"},
+        **{k: v for k, v in asdict(setup).items() if k != "hparams"},
+        "model": setup.hparams,
     }
 
 
 def run() -> dict:
     torch.set_num_threads(1)
-    raw = measure()
+    raw = measure(Setup())
     ratio = raw["service_tokens_per_s"] / raw["bare_tokens_per_s"]
     return {"lm_step_ratio": figure("lm_step_ratio", ratio, threads=1, repeats=REPEATS, **raw)}
 
