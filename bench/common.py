@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 GOALS = {
     # key: (comparison, goal, what the ratio is)
     "step_ratio": (">=", 0.95, "steps/s of the service's trainer / a bare PyTorch loop"),
+    "bf16_speedup": ("info", 0, "steps/s of the service's trainer with precision bf16 / fp32, same run"),
     "lm_step_ratio": (">=", 0.95, "tokens/s of the service's trainer, lm workload / a bare PyTorch loop"),
     "loader_vs_pyarrow": (">=", 0.9, "loader examples/s / pyarrow.parquet.read_table + numpy"),
     "loader_vs_dataloader": (">=", 1.0, "loader examples/s / torch DataLoader(num_workers=2)"),

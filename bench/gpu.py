@@ -1,7 +1,9 @@
 """GPU figures, for a machine with CUDA (never needed by CI; without CUDA it says so and exits 0):
-the service's step loop on the GPU over a bare loop, bf16 autocast over fp32, pinned over
-pageable host-to-device copies, an NCCL all-reduce, and the async checkpoint stall with GPU
-state (pinned snapshot buffers). Writes bench/results-gpu.json.
+the service's step loop on the GPU over a bare loop, bf16 autocast over fp32, the service's loop
+with `training.precision` fp32 / bf16 / fp16, with 4 microbatches per step
+(`training.microbatch_size`) and with `training.compile` (its steps/s include the compilation),
+pinned over pageable host-to-device copies, an NCCL all-reduce, and the async checkpoint stall
+with GPU state (pinned snapshot buffers). Writes bench/results-gpu.json. Needs no Ray.
 
     python -m bench.gpu
 """
@@ -55,7 +57,9 @@ def bare_steps_per_s(width: int, batch: int, steps: int, autocast: bool) -> floa
     return steps / cuda_time(run, 3)
 
 
-def service_steps_per_s(steps: int, batch: int, width: int) -> float:
+def service_steps_per_s(steps: int, batch: int, width: int, **training) -> float:
+    """steps/s of the service's loop on the GPU (one eval point, after the timed steps);
+    `training`: extra study fields (precision, microbatch_size, compile)."""
     from bench.step import Discard
     from service.data.builtin import write_digits
     from service.planning.trial import TrialPlan
@@ -72,7 +76,12 @@ def service_steps_per_s(steps: int, batch: int, width: int) -> float:
                 "data": {"train": f"{tmp}/data/train", "validation": f"{tmp}/data/validation"},
                 "storage": f"{tmp}/studies",
                 "scaling": {"use_gpu": True},
-                "training": {"max_train_steps": steps, "batch_size": batch, "eval_every_steps": steps},
+                "training": {
+                    "max_train_steps": steps,
+                    "batch_size": batch,
+                    "eval_every_steps": steps,
+                    **training,
+                },
                 "search": {"learning_rate": {"role": "fixed", "value": 0.05}},
                 "rounds": [{"name": "r", "num_trials": 1}],
             }
@@ -130,7 +139,10 @@ def main() -> int:
     steps, batch, width = 300, 256, 32
     fp32 = bare_steps_per_s(width, batch, steps, autocast=False)
     bf16 = bare_steps_per_s(width, batch, steps, autocast=True)
-    service = service_steps_per_s(steps, batch, width)
+    loop = {p: service_steps_per_s(steps, batch, width, precision=p) for p in ("fp32", "bf16", "fp16")}
+    service = loop["fp32"]
+    accumulation = service_steps_per_s(steps, batch, width, microbatch_size=batch // 4)
+    compiled = service_steps_per_s(steps, batch, width, compile=True)
     stall = checkpoint_stall()
     results = {
         "device": torch.cuda.get_device_name(),
@@ -138,6 +150,12 @@ def main() -> int:
         "service_steps_per_s": service,
         "bare_fp32_steps_per_s": fp32,
         "bf16_autocast_speedup": bf16 / fp32,
+        "service_steps_per_s_by_precision": loop,
+        "service_bf16_speedup": loop["bf16"] / loop["fp32"],
+        "service_fp16_speedup": loop["fp16"] / loop["fp32"],
+        "service_4_microbatches_steps_per_s": accumulation,
+        "service_4_microbatches_over_whole": accumulation / service,
+        "service_compile_steps_per_s_with_compilation": compiled,
         "pinned_over_pageable_h2d": transfer_gb_per_s(True) / transfer_gb_per_s(False),
         "nccl_all_reduce_gb_per_s_1_rank": nccl_all_reduce_gb_per_s(),
         "async_checkpoint_stall_ratio": stall["stall_s"] / stall["sync_save_s"],

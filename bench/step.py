@@ -1,5 +1,7 @@
 """step_ratio: steps/s of the service's step loop (trainer.loop.train, one process, no Ray)
-over a bare PyTorch loop of the same model, optimizer, batch size and data in memory."""
+over a bare PyTorch loop of the same model, optimizer, batch size and data in memory.
+bf16_speedup: steps/s of the same service loop with `training.precision: bf16` over fp32,
+measured in the same run (on a CPU without bf16 arithmetic it can be below 1)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class Discard:
         return None
 
 
-def service_steps_per_s(data_dir: str, storage: str) -> float:
+def service_steps_per_s(data_dir: str, storage: str, precision: str = "fp32") -> float:
     study = spec.load_dict(
         {
             "name": "bench-step",
@@ -49,6 +51,7 @@ def service_steps_per_s(data_dir: str, storage: str) -> float:
                 "eval_every_steps": STEPS,  # one eval + checkpoint, after the timed steps
                 "optimizer": "sgd_momentum",
                 "schedule": {"kind": "constant"},
+                "precision": precision,
             },
             "search": {"learning_rate": {"role": "fixed", "value": HPARAMS["learning_rate"]}},
             "rounds": [{"name": "r", "num_trials": 1}],
@@ -86,12 +89,23 @@ def run() -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="playbook-bench-step-") as tmp:
         write_digits(f"{tmp}/data")
-        service, bare = [], []
+        service, bare, bf16 = [], [], []
         for _ in range(REPEATS):
             service.append(service_steps_per_s(f"{tmp}/data", f"{tmp}/studies"))
             bare.append(bare_steps_per_s(f"{tmp}/data"))
-    s, b = statistics.median(service), statistics.median(bare)
+            bf16.append(service_steps_per_s(f"{tmp}/data", f"{tmp}/studies", "bf16"))
+    s, b, h = statistics.median(service), statistics.median(bare), statistics.median(bf16)
     return {
+        "bf16_speedup": figure(
+            "bf16_speedup",
+            h / s,
+            bf16_steps_per_s=h,
+            fp32_steps_per_s=s,
+            steps=STEPS,
+            batch_size=BATCH,
+            repeats=REPEATS,
+            threads=1,
+        ),
         "step_ratio": figure(
             "step_ratio",
             s / b,
@@ -101,7 +115,7 @@ def run() -> dict:
             batch_size=BATCH,
             repeats=REPEATS,
             threads=1,
-        )
+        ),
     }
 
 

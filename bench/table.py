@@ -14,6 +14,7 @@ DOC = os.path.join(os.path.dirname(HERE), "docs", "performance.md")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 BASELINES = {
     "step_ratio": ("service_steps_per_s", "bare_steps_per_s", "steps/s"),
+    "bf16_speedup": ("bf16_steps_per_s", "fp32_steps_per_s", "steps/s"),
     "lm_step_ratio": ("service_tokens_per_s", "bare_tokens_per_s", "tokens/s"),
     "loader_vs_pyarrow": ("service_examples_per_s", "pyarrow_examples_per_s", "examples/s"),
     "loader_vs_dataloader": ("service_examples_per_s", "dataloader_examples_per_s", "examples/s"),

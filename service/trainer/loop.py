@@ -177,12 +177,21 @@ def eval_point(
 def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | None]:
     """The interval's row of training metrics, summed over ranks, and the first non-finite step
     of this rank when any rank saw one (None when none did)."""
-    loss_sum, loss_count, norm_sum, clipped, first_bad_step = ctx.tally.take()
+    loss_sum, loss_count, norm_sum, clipped, norm_count, first_bad_step = ctx.tally.take()
     elapsed_s = time.perf_counter() - progress.interval_start
     bad_flag = 0.0 if math.isinf(first_bad_step) else 1.0
     reduce_start = time.perf_counter()
-    loss_total, loss_n, bad, norm_total, clipped_n, *input_s = all_reduce_sum(
-        [loss_sum, loss_count, bad_flag, norm_sum, clipped, *ctx.timer.take(), *ctx.stream.stats.take()],
+    loss_total, loss_n, bad, norm_total, clipped_n, norm_n, *input_s = all_reduce_sum(
+        [
+            loss_sum,
+            loss_count,
+            bad_flag,
+            norm_sum,
+            clipped,
+            norm_count,
+            *ctx.timer.take(),
+            *ctx.stream.stats.take(),
+        ],
         ctx.device,
     )
     reduce_s = time.perf_counter() - reduce_start
@@ -191,20 +200,24 @@ def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | N
         "learning_rate": progress.lr,
         "train/loss": loss_total / loss_n if loss_n else math.nan,
         "steps_per_s": progress.steps_in_interval / max(elapsed_s, 1e-9),
-        **clip_fields(ctx, norm_total, clipped_n, progress.steps_in_interval),
+        **clip_fields(ctx, norm_total, clipped_n, norm_n, progress.steps_in_interval),
         **input_fields(input_s, ctx.unused_columns),
         "multihost/reduce_s": reduce_s,  # this rank's wait in the metric all-reduce
     }
     return row, first_bad_step if bad else None
 
 
-def clip_fields(ctx: TrialContext, norm_total: float, clipped: float, steps: int) -> dict:
-    """With grad_clip_norm: the interval's mean gradient norm before clipping and the fraction
-    of its steps that were clipped (sums over ranks, whose norms are equal, over ranks x steps)."""
+def clip_fields(ctx: TrialContext, norm_total: float, clipped: float, norms: float, steps: int) -> dict:
+    """With grad_clip_norm: the interval's mean finite gradient norm before clipping and the
+    fraction of its steps that were clipped (sums over ranks, whose norms are equal, over ranks x
+    steps; an fp16 step whose gradients overflowed has no finite norm and is not clipped)."""
     if ctx.clip_norm is None or not steps:
         return {}
     n = steps * ctx.topo.world_size
-    return {"train/grad_norm": norm_total / n, "train/clipped_fraction": clipped / n}
+    return {
+        "train/grad_norm": norm_total / norms if norms else math.nan,
+        "train/clipped_fraction": clipped / n,
+    }
 
 
 def report_divergence(

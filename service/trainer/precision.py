@@ -10,6 +10,9 @@ import contextlib
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+INIT_SCALE = 2.0**16
+"""fp16's first loss scale (torch's default; halved after each overflowing step, doubled after
+2000 steps without one)."""
 
 
 class Precision:
@@ -20,7 +23,9 @@ class Precision:
         self.name = name
         self.device_type = torch.device(device).type
         self.dtype = DTYPES.get(name)
-        self.scaler = torch.amp.GradScaler(self.device_type) if name == "fp16" else None
+        self.scaler = (
+            torch.amp.GradScaler(self.device_type, init_scale=INIT_SCALE) if name == "fp16" else None
+        )
 
     def autocast(self):
         """The forward pass's context (training and evaluation alike); none under fp32."""

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
 from service.trainer import checkpoint, setup
+from service.trainer import precision as amp
 from service.trainer.loop import train
 from service.trainer.topology import Topology
 from service.workloads.digits import Digits
@@ -54,12 +57,14 @@ def final_state(reporter: Reporter) -> checkpoint.TrialState:
     return checkpoint.load(reporter.reports[-1][1])
 
 
-def hand_run(plan, precision="fp32", micro=None, clip=None):
+def hand_run(plan, precision="fp32", micro=None, clip=None, init_scale=2.0**16):
     """The trial's updates as a plain loop: autocast and GradScaler written out, the batch cut
     into microbatches by hand, each microbatch's mean loss divided by their number, the
-    gradients unscaled before clipping. Returns the model and the scaler (fp16) or None."""
+    gradients unscaled before clipping. Returns the model, the scaler (fp16) or None, and each
+    step's gradient norm before clipping (with `clip`)."""
     workload, model, optimizer, stream = plain_loop_parts(plan)
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if precision == "fp16" else None
+    norms = []
     for step in range(STEPS):
         batch = stream.batch(step)
         optimizer.zero_grad()
@@ -72,13 +77,13 @@ def hand_run(plan, precision="fp32", micro=None, clip=None):
         if clip is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         if scaler is None:
             optimizer.step()
         else:
             scaler.step(optimizer)
             scaler.update()
-    return model, scaler
+    return model, scaler, norms
 
 
 def hand_validation_losses(model, digits_dir, precision) -> torch.Tensor:
@@ -114,7 +119,7 @@ def test_microbatches_equal_the_whole_batch_at_every_eval(digits_dir, tmp_path):
         assert a["step"] == b["step"]
         for key in ("train/loss", "validation/loss", "validation/error"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    model, _ = hand_run(plan_with(digits_dir, tmp_path / "c", workload=MLP))  # whole batches, by hand
+    model, _, _ = hand_run(plan_with(digits_dir, tmp_path / "c", workload=MLP))  # whole batches, by hand
     assert_weights_close(final_state(split).model, model, rtol=1e-5, atol=1e-6)
 
 
@@ -130,9 +135,9 @@ def test_mixed_precision_trains_and_evaluates_as_a_plain_autocast_loop(digits_di
     plan = plan_with(digits_dir, tmp_path / "s", precision=precision)
     reporter = run(plan, tmp_path)
     state = final_state(reporter)
-    model, scaler = hand_run(plan_with(digits_dir, tmp_path / "h", precision=precision), precision)
+    model, scaler, _ = hand_run(plan_with(digits_dir, tmp_path / "h", precision=precision), precision)
     assert_weights_close(state.model, model, rtol=1e-5, atol=1e-6)
-    fp32_model, _ = hand_run(plan_with(digits_dir, tmp_path / "f"))
+    fp32_model, _, _ = hand_run(plan_with(digits_dir, tmp_path / "f"))
     assert any(not torch.allclose(state.model[k], v, rtol=1e-3) for k, v in fp32_model.state_dict().items())
 
     logged = logged_validation_losses(plan, STEPS)
@@ -148,15 +153,22 @@ def test_mixed_precision_trains_and_evaluates_as_a_plain_autocast_loop(digits_di
         assert state.scaler == {}
 
 
-def test_fp16_clips_the_unscaled_gradients(digits_dir, tmp_path):
+def test_fp16_clips_the_unscaled_gradients(digits_dir, tmp_path, monkeypatch):
+    """From a loss scale that overflows the first updates: they are skipped, their norms left
+    out of train/grad_norm; the others clip the unscaled gradients."""
+    monkeypatch.setattr(amp, "INIT_SCALE", 2.0**22)
     plan = plan_with(
         digits_dir, tmp_path / "s", {"grad_clip_norm": 0.37}, precision="fp16", microbatch_size=16
     )
     reporter = run(plan, tmp_path)
-    model, scaler = hand_run(plan, "fp16", micro=16, clip=0.37)
+    model, scaler, norms = hand_run(plan, "fp16", micro=16, clip=0.37, init_scale=2.0**22)
     assert_weights_close(final_state(reporter).model, model, rtol=1e-5, atol=1e-6)
     assert final_state(reporter).scaler == scaler.state_dict()
-    assert 0 < reporter.metrics[-1]["train/clipped_fraction"] < 1  # some steps clipped, at the true norm
+    assert not all(math.isfinite(n) for n in norms)  # the scaler skipped an overflowed update
+    for m, lo in zip(reporter.metrics, range(0, STEPS, EVERY), strict=True):
+        finite = [n for n in norms[lo : lo + EVERY] if math.isfinite(n)]
+        assert m["train/grad_norm"] == pytest.approx(sum(finite) / len(finite), rel=1e-5)
+        assert m["train/clipped_fraction"] == sum(n > 0.37 for n in finite) / EVERY
 
 
 OPTIONS = {
