@@ -14,6 +14,7 @@ from service.study import spec
 from service.study.layout import StudyLayout
 from service.study.spec import Study
 from service.tracking import provenance, trial_table
+from service.trainer import metrics_log
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,9 @@ def load(study_uri: str) -> StudyData:
         raise StudyNotFound(f"{study_uri}: no stored study there (no study.yaml)")
     study = spec.load_text(storage.read_bytes(study_file).decode(), source=study_file)
     rows = sorted(trial_table.read_rows(study_uri), key=lambda r: r["trial_name"])
-    histories = {}
-    for row in rows:
-        uri = layout.trial(row["trial_name"]).metrics_log
-        text = storage.read_bytes(uri).decode() if storage.exists(uri) else ""
-        histories[row["trial_name"]] = [json.loads(line) for line in text.splitlines() if line.strip()]
+    histories = {
+        row["trial_name"]: metrics_log.read(layout.trial(row["trial_name"]).metrics_log) for row in rows
+    }
     return StudyData(
         study=study,
         study_uri=study_uri,
