@@ -25,6 +25,17 @@ GOALS = {
         0.05,
         "share of step time spent waiting for input (CPU-heavy preprocessing)",
     ),
+    "cnn_step_ratio": (
+        ">=",
+        0.9,
+        "images/s of the service's trainer, images workload (PNG decoded + augmented online, an input "
+        "worker, prefetch) / a bare PyTorch loop over decoded tensors in memory",
+    ),
+    "cnn_exposed_input_fraction": (
+        "<",
+        0.05,
+        "share of the images workload's step time spent waiting for input (one input worker process)",
+    ),
     "trial_overhead_ratio": ("<=", 1.5, "fixed per-trial overhead / a plain Ray Tune function trial"),
     "checkpoint_ratio": ("<=", 1.1, "checkpoint save / torch.save of the same state, same filesystem"),
     "async_checkpoint_stall_ratio": ("<", 0.1, "loop stall with async save / a sync save"),

@@ -368,15 +368,16 @@ class TrainStream:
 
     def load(self, task: WindowTask, reader: WindowReader) -> Batch:
         """One window's rows, augmented and shuffled (`shuffled`), from its offset on, as one batch."""
-        window = self.shuffled(task, reader.read(list(task.pieces)))
+        window = self.shuffled(task, reader.read(list(task.pieces)), reader.stats)
         return window.take(0, len(window))
 
-    def shuffled(self, task: WindowTask, tensors: Batch) -> Shuffled:
+    def shuffled(self, task: WindowTask, tensors: Batch, stats: LoaderStats) -> Shuffled:
         """A window's tensors augmented by the workload (`augment`, from the data seed and the
-        epoch), in the window's order (data_seed, epoch, window), from its offset on."""
+        epoch; its time counted in `stats`), in the window's order (data_seed, epoch, window),
+        from its offset on."""
         start = time.perf_counter()
         tensors = self.workload.augment(tensors, self.hparams, self.data_seed, task.epoch)
-        self.stats.augment_s += time.perf_counter() - start
+        stats.augment_s += time.perf_counter() - start
         rows = sum(p.num_rows for p in task.pieces)
         perm = np.random.default_rng([self.data_seed, task.epoch, task.window]).permutation(rows)
         return Shuffled(tensors, perm[task.offset :])
@@ -395,7 +396,7 @@ class TrainStream:
                 started = reader.start(following.pieces)
                 tensors = reader.to_batch(table, list(task.pieces))
                 del table  # its rows are in the tensors now
-                yield self.shuffled(task, tensors)
+                yield self.shuffled(task, tensors, stats)
                 task = following
         finally:
             reader.close()
