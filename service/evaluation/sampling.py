@@ -47,10 +47,13 @@ def is_full_eval(step: int, max_steps: int, training: Training) -> bool:
 
 
 def bias_fields(rows: dict[str, np.ndarray], sample: EvalSample, metric: str) -> dict:
-    """The sample-vs-full gap of `metric` (a per-example metric name) from a full eval's gathered
-    rows, which are in file order (rank shards are contiguous and gathered in rank order)."""
-    values = rows[f"metric/{metric}"]
-    gap = sample_gap(values[sample.positions], values)
+    """The sample-vs-full gap of `metric` (a per-example metric name, weighted by the rows'
+    `weight`, as the reported metric is) from a full eval's gathered rows, which are in file
+    order (rank shards are contiguous and gathered in rank order)."""
+    values, weights = rows[f"metric/{metric}"], rows["weight"]
+    gap = sample_gap(
+        values[sample.positions], values, sample_weights=weights[sample.positions], full_weights=weights
+    )
     return {
         "sample_gap": gap["gap"],
         "sample_gap_ci_low": gap["ci_low"],

@@ -252,3 +252,26 @@ def test_full_set_as_its_own_sample_is_not_flagged():
         assert got["se"] == 0.0 and abs(got["gap"]) < 1e-12 and not got["biased"]
     with pytest.raises(ValueError):
         sample_gap(np.array([]), errors)
+
+
+def test_weighted_gap_of_sequences_weighted_by_their_tokens():
+    """A language model's per-sequence losses weighted by token counts (short sequences lose
+    more): the sampled eval's gap is between token-weighted means, and its standard error the
+    spread of the weighted means of random samples; unit weights give the unweighted answer."""
+    from service.evaluation.sampling import EvalSample, bias_fields
+
+    rng = np.random.default_rng(3)
+    tokens = np.where(rng.random(1000) < 0.3, rng.integers(1, 64, 1000), 64).astype(np.float64)
+    losses = rng.gamma(4.0, 0.5, 1000) + 40.0 / tokens
+    n = 300
+    positions = fixed_sample(1000, n, seed=0)
+    rows = {"metric/loss": losses, "weight": tokens}
+    got = bias_fields(rows, EvalSample(positions, torch.from_numpy(positions)), "loss")
+    weighted = lambda i: np.sum(losses[i] * tokens[i]) / np.sum(tokens[i])  # noqa: E731
+    assert got["sample_gap"] == pytest.approx(weighted(positions) - weighted(np.arange(1000)), rel=1e-12)
+    draws = np.argsort(rng.random((4000, 1000)), axis=1)[:, :n]
+    spread = np.std([weighted(d) for d in draws])
+    full = sample_gap(losses[positions], losses, sample_weights=tokens[positions], full_weights=tokens)
+    assert full["se"] == pytest.approx(spread, rel=0.05)
+    unit = sample_gap(losses[positions], losses, sample_weights=np.ones(n), full_weights=np.ones(1000))
+    assert unit == sample_gap(losses[positions], losses)
