@@ -37,6 +37,11 @@ GOALS = {
         "share of the images workload's step time spent waiting for input (one input worker process)",
     ),
     "trial_overhead_ratio": ("<=", 1.5, "fixed per-trial overhead / a plain Ray Tune function trial"),
+    "multiworker_trial_overhead_ratio": (
+        "<=",
+        2.0,
+        "fixed cost per trial, a round of 20 two-worker trials (reused) / a plain Tune function trial",
+    ),
     "checkpoint_ratio": ("<=", 1.1, "checkpoint save / torch.save of the same state, same filesystem"),
     "async_checkpoint_stall_ratio": ("<", 0.1, "loop stall with async save / a sync save"),
     "async_stall_vs_copy": ("<=", 1.5, "loop stall with async save / a plain copy of the state's tensors"),

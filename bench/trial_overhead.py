@@ -5,7 +5,12 @@ the data, build the model, the same steps, an evaluation and a torch.save at eac
 Each candidate runs as a one-trial Tuner on one local Ray cluster, alternating, after a warm-up;
 overhead = Tuner.fit() wall time - the trial's own step-loop time. Also measured: the same
 trial through Ray Train (`TorchTrainer.fit`, the path before the fast path and still the one
-of multi-worker trials), and what the imports of a fresh worker process cost.
+of multi-worker trials without `scaling.reuse_workers`), and what the imports of a fresh worker
+process cost.
+
+multiworker_trial_overhead_ratio: the fixed cost per trial of a round of ROUND_TRIALS two-worker
+trials on a reused pool of workers (the round's Tuner.fit() wall time - its trials' step-loop
+time, over the trials) / the plain Tune function trial's overhead above.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from bench.common import figure
 
 STEPS, EVERY, BATCH, REPEATS = 100, 50, 64, 3
+ROUND_TRIALS = 20
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,13 +85,14 @@ def ray_train_trial(config: dict, study) -> None:
     ray.tune.report({**launch.summarize(plan, launch.trainer_for(plan, in_tune=True).fit()), "summary": True})
 
 
-def service_study(data_dir: str, storage: str):
+def service_study(data_dir: str, storage: str, name: str = "bench-trial", scaling: dict | None = None):
     from service.study import spec
 
     return spec.load_dict(
         {
-            "name": "bench-trial",
+            "name": name,
             "workload": "digits",
+            "scaling": scaling or {},
             "data": {s: f"{data_dir}/{s}" for s in ("train", "validation")},
             "storage": storage,
             "training": {
@@ -127,6 +134,71 @@ def run_tuner(trainable, config: dict, storage: str, name: str):
     return wall, result
 
 
+def trial_config(name: str) -> dict:
+    """A Tune trial's config for the service's trainable: the trial of `HPARAMS`, named `name`."""
+    return {"trial_name": name, "round": "r", "hparams": dict(HPARAMS), "max_train_steps": STEPS}
+
+
+def run_round(trainable, param_space: dict, tune_dir: str, name: str) -> tuple[float, list]:
+    """One Tuner's trials, one at a time, each trial's process serving the next
+    (`reuse_actors`, as a TuneRun runs a round): (wall time, the trials' results)."""
+    from ray import tune
+
+    tuner = tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(max_concurrent_trials=1, reuse_actors=True),
+        run_config=tune.RunConfig(name=name, storage_path=tune_dir, verbose=0),
+    )
+    t = time.perf_counter()
+    grid = tuner.fit()
+    wall = time.perf_counter() - t
+    results = list(grid)
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{name}: {errors[0]}")
+    return wall, results
+
+
+def pooled_round(data: str, storage: str, tune_dir: str) -> dict:
+    """A round of ROUND_TRIALS two-worker trials on a reused pool (`scaling.reuse_workers`), on
+    this 2-CPU cluster: its wall time, the trials' step-loop time, and the fixed cost per trial
+    (the rest, over the trials)."""
+    from ray import tune
+
+    from service.orchestration.tune_run import study_trainable
+
+    pooled = {"num_hosts": 1, "workers_per_host": 2, "reuse_workers": True}
+    study = service_study(data, storage, "bench-multiworker", pooled)
+    names = [f"m-{i:04d}" for i in range(ROUND_TRIALS)]
+    space = {"trial": tune.grid_search([trial_config(n) for n in names])}
+    wall, _ = run_round(study_trainable(study), space, tune_dir, "multiworker")
+    loop = sum(loop_seconds(study, n) for n in names)
+    return {
+        "multiworker_overhead_s": (wall - loop) / ROUND_TRIALS,
+        "multiworker_round_wall_s": wall,
+        "multiworker_round_loop_s": loop,
+        "multiworker_trials": ROUND_TRIALS,
+    }
+
+
+def plain_round_overhead(plain_fn, data: str, out: str, tune_dir: str) -> float:
+    """For context: the fixed cost per trial of a round of ROUND_TRIALS plain function trials
+    run the same way (the Tuner's own start-up spread over the round, as in `pooled_round`)."""
+    from ray import tune
+
+    space = {"data": data, "out": tune.grid_search([f"{out}/{i}" for i in range(ROUND_TRIALS)])}
+    wall, results = run_round(plain_fn, space, tune_dir, "plain-round")
+    return (wall - sum(r.metrics["loop_s"] for r in results)) / ROUND_TRIALS
+
+
+def round_figures(plain_fn, data: str, tmp: str, tune_dir: str) -> dict:
+    """The multi-worker round's figures, and the plain round's fixed cost per trial beside them."""
+    pooled = pooled_round(data, f"{tmp}/studies", tune_dir)
+    plain = plain_round_overhead(plain_fn, data, f"{tmp}/plain-round", tune_dir)
+    return {**pooled, "plain_round_overhead_s": plain}
+
+
 def import_seconds(module: str) -> float:
     code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -154,23 +226,13 @@ def run() -> dict:
             train_fn = tune.with_resources(tune.with_parameters(ray_train_trial, study=study), {"cpu": 0.01})
             plain_fn = tune.with_resources(plain_trial, {"cpu": 1})
 
-            def trial_config(name: str) -> dict:
-                return {
-                    "trial": {
-                        "trial_name": name,
-                        "round": "r",
-                        "hparams": dict(HPARAMS),
-                        "max_train_steps": STEPS,
-                    }
-                }
-
             for i in range(REPEATS + 1):  # run 0 warms the cluster up and is not counted
                 name = f"r-{i:04d}"
                 w, r = run_tuner(plain_fn, {"data": data, "out": f"{tmp}/plain-{i}"}, tune_dir, f"plain-{i}")
                 if i:
                     walls["plain"].append(w)
                     loops["plain"].append(r.metrics["loop_s"])
-                w, _ = run_tuner(service_fn, trial_config(name), tune_dir, f"service-{i}")
+                w, _ = run_tuner(service_fn, {"trial": trial_config(name)}, tune_dir, f"service-{i}")
                 if i:
                     walls["service"].append(w)
                     loops["service"].append(loop_seconds(study, name))
@@ -179,6 +241,7 @@ def run() -> dict:
                     w, _ = run_tuner(train_fn, {"trial_name": name}, tune_dir, f"train-{i}")
                     walls["ray_train"].append(w)
                     loops["ray_train"].append(loop_seconds(study, name))
+            pooled = round_figures(plain_fn, data, tmp, tune_dir)
     finally:
         ray.shutdown()
     med = statistics.median
@@ -200,8 +263,13 @@ def run() -> dict:
         "steps": STEPS,
         "repeats": REPEATS,
     }
+    single = overhead["service"] / overhead["plain"]
+    multiworker = pooled["multiworker_overhead_s"] / overhead["plain"]
     return {
-        "trial_overhead_ratio": figure("trial_overhead_ratio", overhead["service"] / overhead["plain"], **raw)
+        "trial_overhead_ratio": figure("trial_overhead_ratio", single, **raw),
+        "multiworker_trial_overhead_ratio": figure(
+            "multiworker_trial_overhead_ratio", multiworker, plain_overhead_s=overhead["plain"], **pooled
+        ),
     }
 
 
