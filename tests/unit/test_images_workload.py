@@ -22,6 +22,10 @@ from service.data.images import write_images
 from service.data.loader import TrainStream, eval_batches
 from service.data.process_input import process_source
 from service.data.sharding import RowRange
+from service.trainer import checkpoint
+from service.trainer.loop import train
+from service.trainer.topology import Topology
+from tests.helpers.trainer_runs import Interrupted, Reporter, make_plan, without_timing
 
 SEED, BATCH, PAD = 987654321, 10, 4
 MASK, GOLDEN = 2**64 - 1, 0x9E3779B97F4A7C15
@@ -172,3 +176,28 @@ def test_the_input_bound_verdict_names_decoding_and_the_command():
     assert cause == "input_workers" and "--workload images_decoded" in remedy
     history = [{"input/step_s": 4.0, "input/augment_s": 0.25}, {"input/step_s": 6.0, "input/augment_s": 0.5}]
     assert InputTotals.from_history(history).augment_s == 0.75
+
+
+def test_an_interrupted_trial_resumes_bitwise_with_online_augmentation(data, tmp_path):
+    """Stopped at its first eval point (step 4) and resumed from that checkpoint, over an epoch
+    boundary (48 images, 8 a step): the same metrics and final weights, to the bit."""
+    hp = {"learning_rate": 0.05, "momentum": 0.9, "width": 4, "stages": 1}
+
+    def run(storage, store, **kw) -> Reporter:
+        plan = make_plan(
+            data, storage, hparams=hp, workload="images", max_train_steps=8, eval_every_steps=4, batch_size=8
+        )
+        reporter = Reporter(store, **kw)
+        try:
+            train(plan, Topology(), reporter)
+        except Interrupted:
+            pass
+        return reporter
+
+    whole = run(tmp_path / "a", tmp_path / "wa")
+    first = run(tmp_path / "b", tmp_path / "wb", stop_after=1)
+    rest = run(tmp_path / "b", tmp_path / "wc", restore_state=checkpoint.load(first.reports[-1][1]))
+    resumed = [without_timing(m) for m in first.metrics + rest.metrics]
+    assert resumed == [without_timing(m) for m in whole.metrics]
+    a, b = (checkpoint.load(r.reports[-1][1]).model for r in (whole, rest))
+    assert all(torch.equal(v, b[k]) for k, v in a.items())
