@@ -31,7 +31,7 @@ def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
         points = quasi_random_configs(study.search, rnd.num_trials, rnd.seed)
     base = study.training.schedule
     return [
-        _config(rnd, i, hp, study.round_steps(rnd), study.training.seed, schedules.for_trial(base, hp))
+        trial_config(rnd, i, hp, study.round_steps(rnd), study.training.seed, schedules.for_trial(base, hp))
         for i, hp in enumerate(points)
     ]
 
@@ -53,7 +53,7 @@ def _extend(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
         origin += " (its row records no schedule: taken as the study's with its hyperparameters)"
     new = schedules.extend(old, old_steps, steps)
     return [
-        _config(
+        trial_config(
             rnd, i, hparams, steps, study.training.seed + i, new, extended_from=name, schedule_origin=origin
         )
         for i in range(rnd.num_trials)
@@ -70,7 +70,7 @@ def row_fields(config: dict) -> dict:
     }
 
 
-def _config(
+def trial_config(
     rnd: Round, index: int, hparams: dict, steps: int, seed: int, schedule: Schedule, **extra
 ) -> dict:
     return {

@@ -165,10 +165,6 @@ class Training:
     async_checkpoint: bool = True
     """Single-worker trials: write checkpoints on a background thread (training stalls only for
     a memory copy of the state). Multi-worker trials save synchronously through Ray Train."""
-
-    def errors(self):
-        yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")
-        yield from _positive(self, "num_checkpoints_to_keep", "virtual_batch_size", "microbatch_size")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Forward passes (training and evaluation) under torch.autocast in this dtype on the
     trial's device; fp16 adds a gradient scaler, saved in the checkpoint. Weights, optimizer
@@ -179,6 +175,10 @@ class Training:
     step; must divide the per-worker batch. BatchNorm then normalises over microbatches."""
     compile: bool = False
     """torch.compile the model (in place: the checkpoint is the same as without)."""
+
+    def errors(self):
+        yield from _positive(self, "max_train_steps", "batch_size", "eval_every_steps")
+        yield from _positive(self, "num_checkpoints_to_keep", "virtual_batch_size", "microbatch_size")
         yield from _non_negative(self, "seed")
         if self.eval_batch_size is not None:
             yield from _positive(self, "eval_batch_size")
@@ -279,20 +279,26 @@ class Round:
     """Round name, used in trial names (`<round>-<index>`)."""
     num_trials: int
     """Trials in this round."""
-    kind: Literal["quasi_random", "extend", "grid"] = "quasi_random"
+    kind: Literal["quasi_random", "extend", "grid", "bayesian"] = "quasi_random"
     """How trials are planned. `quasi_random`: scrambled Halton points over the search space
     (exploration). `extend` (the playbook's round 2): the best configuration of `from_round`
     rerun `num_trials` times (seeds training.seed, +1, ...) for longer, its learning-rate
     schedule extended by the playbook's rules. `grid`: every combination of the `values` of
-    the searched choice dimensions (num_trials must equal the number of combinations)."""
+    the searched choice dimensions (num_trials must equal the number of combinations).
+    `bayesian` (exploitation): Optuna's TPE through Ray Tune, warm-started with the trials of
+    `from_round`, one trial at a time (docs/study-file.md)."""
     max_concurrent_trials: int = 0
     """At most this many trials at once; 0 = as many as the cluster's resources allow."""
     max_train_steps: int | None = None
     """Override of `training.max_train_steps` for this round."""
     seed: int = 0
-    """quasi_random only: seed of the quasi-random sequence (its scrambling)."""
+    """quasi_random: seed of the quasi-random sequence (its scrambling); bayesian: the sampler's."""
     from_round: str | None = None
-    """extend only: the round whose best trial is extended (default: the previous round)."""
+    """extend: the round whose best trial is extended; bayesian: the round whose trials
+    warm-start the sampler (default: the previous round)."""
+    narrow_to_best: int = 0
+    """bayesian only: search the range the best this-many finished trials of the source round
+    span in each searched dimension (>= 2); 0 = the whole search space."""
     step_multiplier: float | None = None
     """extend only: max_train_steps of the trial it extends times this (default 2); not with
     max_train_steps."""
@@ -310,16 +316,28 @@ class Round:
         if not NAME_RE.match(self.name):
             yield "name", f"must match {NAME_RE.pattern} (got {self.name!r})"
         yield from _positive(self, "num_trials", "step_multiplier")
-        for name in ("from_round", "step_multiplier"):
-            if self.kind != "extend" and getattr(self, name) is not None:
-                yield name, f"only applies to kind: extend (kind is {self.kind})"
-        if self.kind != "quasi_random" and self.seed:
-            yield "seed", f"only applies to kind: quasi_random (kind is {self.kind})"
+        if self.kind != "extend" and self.step_multiplier is not None:
+            yield "step_multiplier", f"only applies to kind: extend (kind is {self.kind})"
+        if self.kind not in ("extend", "bayesian") and self.from_round is not None:
+            yield "from_round", f"only applies to kind: extend or bayesian (kind is {self.kind})"
+        if self.kind not in ("quasi_random", "bayesian") and self.seed:
+            yield "seed", f"only applies to kind: quasi_random or bayesian (kind is {self.kind})"
+        yield from self._bayesian_errors()
         if self.step_multiplier is not None and self.max_train_steps is not None:
             yield "step_multiplier", "give max_train_steps or step_multiplier, not both"
         yield from _non_negative(self, "max_concurrent_trials", "seed", "trials_per_tune_run")
         if self.max_train_steps is not None and self.max_train_steps <= 0:
             yield "max_train_steps", f"must be > 0 (got {self.max_train_steps})"
+
+    def _bayesian_errors(self):
+        if self.kind != "bayesian":
+            if self.narrow_to_best:
+                yield "narrow_to_best", f"only applies to kind: bayesian (kind is {self.kind})"
+            return
+        if self.narrow_to_best == 1 or self.narrow_to_best < 0:
+            yield "narrow_to_best", f"must be 0 (whole space) or >= 2 (got {self.narrow_to_best})"
+        if self.max_concurrent_trials > 1:
+            yield "max_concurrent_trials", "a bayesian round runs one trial at a time (give 0 or 1)"
 
 
 @dataclass(frozen=True)
@@ -378,11 +396,11 @@ class Study:
             yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
         if self.training.ghost_batch_norm:
             yield from _ghost_batch_errors(self.training, self.scaling.world_size)
+        yield from _microbatch_errors(self.training, self.scaling.world_size)
 
     def _round_errors(self):
         names = [r.name for r in self.rounds]
         for i, name in enumerate(names):
-        yield from _microbatch_errors(self.training, self.scaling.world_size)
             if name in names[:i]:
                 yield f"rounds[{i}].name", f"duplicate round name {name!r}"
         for i, r in enumerate(self.rounds):
@@ -392,10 +410,11 @@ class Study:
                     yield f"rounds[{i}].kind", "grid needs every searched hyperparameter to be a choice"
                 elif r.num_trials != math.prod(len(hp.values) for hp in dims):
                     yield f"rounds[{i}].num_trials", "must equal the number of grid combinations"
-            if r.kind != "extend":
+            if r.kind not in ("extend", "bayesian"):
                 continue
             if i == 0:
-                yield f"rounds[{i}].kind", "the first round cannot extend another round"
+                what = "extend another round" if r.kind == "extend" else "be bayesian (it needs a source)"
+                yield f"rounds[{i}].kind", f"the first round cannot {what}"
             elif r.from_round is not None and r.from_round not in names[:i]:
                 yield f"rounds[{i}].from_round", f"no earlier round named {r.from_round!r}"
 
@@ -544,10 +563,6 @@ def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) 
     return v % per == 0 and world_size % (v // per) == 0
 
 
-def _ghost_batch_errors(training: Training, world: int):
-    batch_size, v = training.batch_size, training.virtual_batch_size
-    if batch_size % world or ghost_batch_fits(batch_size, world, v):
-        return
 def _microbatch_errors(training: Training, world: int):
     """training.microbatch_size must split each worker's batch (and, with ghost batch norm, be
     split into virtual batches itself)."""
@@ -567,6 +582,10 @@ def _microbatch_errors(training: Training, world: int):
         )
 
 
+def _ghost_batch_errors(training: Training, world: int):
+    batch_size, v = training.batch_size, training.virtual_batch_size
+    if batch_size % world or ghost_batch_fits(batch_size, world, v):
+        return
     per = batch_size // world
     if per > v:
         why = f"does not divide the per-worker batch of {per}"

@@ -421,7 +421,7 @@ UNREAD = [
         "seed-on-extend",
         _set("rounds.1.seed", 4),
         "rounds[1].seed",
-        "only applies to kind: quasi_random (kind is extend)",
+        "only applies to kind: quasi_random or bayesian (kind is extend)",
     ),
     (
         "step-multiplier-and-max-steps",
