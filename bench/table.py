@@ -16,6 +16,7 @@ BASELINES = {
     "step_ratio": ("service_steps_per_s", "bare_steps_per_s", "steps/s"),
     "bf16_speedup": ("bf16_steps_per_s", "fp32_steps_per_s", "steps/s"),
     "lm_step_ratio": ("service_tokens_per_s", "bare_tokens_per_s", "tokens/s"),
+    "cnn_step_ratio": ("service_images_per_s", "bare_images_per_s", "images/s"),
     "loader_vs_pyarrow": ("service_examples_per_s", "pyarrow_examples_per_s", "examples/s"),
     "loader_vs_dataloader": ("service_examples_per_s", "dataloader_examples_per_s", "examples/s"),
     "exposed_input_fraction": ("input_wait_s", "loop_wall_s", "s"),
