@@ -53,6 +53,7 @@ marked dead after 3 missed checks 1 s apart (Ray's defaults: 5 missed, 3 s apart
 10 s timeout)."""
 OBJECT_STORE = ["--object-store-memory", str(200 * 1024**2)]
 """Per host (Ray's default, 30% of memory, would claim most of /dev/shm with a few hosts)."""
+NETNS_ETC = "/etc/netns"
 _ids = itertools.count()
 
 
@@ -75,6 +76,12 @@ def ip(*args: str) -> None:
     out = subprocess.run(["ip", *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+
+
+def set_hostname(name: str) -> list[str]:
+    """A command prefix that sets the hostname (of the UTS namespace it runs in), then runs
+    the rest of the command in its place."""
+    return ["sh", "-c", 'hostname "$0" && exec "$@"', name]
 
 
 def namespace_pids(namespace: str) -> list[int]:
@@ -113,6 +120,11 @@ class Host:
     temp_dir: str
     process: subprocess.Popen | None = None
 
+    @property
+    def etc(self) -> str:
+        """The files `ip netns exec` mounts over /etc in this host's namespace."""
+        return os.path.join(NETNS_ETC, self.namespace)
+
 
 class NetnsCluster:
     """A head and worker hosts, each in its own network namespace; see the module docstring."""
@@ -124,8 +136,10 @@ class NetnsCluster:
         self.subnet: int | None = None
         self.hosts: dict[str, Host] = {}
         self.system_config = {**HEALTH_CHECK, **(system_config or {})}
-        self.env = token_env(secrets.token_hex(16))
-        """The environment of a client holding the cluster's token (`ray job submit`)."""
+        self.env = token_env(secrets.token_hex(16), {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"})
+        """The environment of the hosts' Ray processes, and of a client holding the cluster's
+        token (`ray job submit`). Ray Train's state tracking is on: the dashboard's
+        /api/train/v2/runs/v1 lists each run's workers with their node IP, node_rank and pid."""
         self.ports = free_ports(HEAD_PORTS)
         self._next_index = itertools.count(1)
 
@@ -158,7 +172,9 @@ class NetnsCluster:
         ip("link", "set", self.bridge, "up")
 
     def make_host(self, name: str) -> Host:
-        """A namespace joined to the bridge by a veth pair (`eth0` inside), loopback up."""
+        """A namespace joined to the bridge by a veth pair (`eth0` inside), loopback up, and an
+        /etc/hosts of its own (`ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts) in
+        which the host's name, its namespace's, resolves to its address."""
         index = next(self._next_index)
         host = Host(
             name=name,
@@ -175,6 +191,9 @@ class NetnsCluster:
         ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
         ip("-n", host.namespace, "link", "set", "eth0", "up")
         ip("-n", host.namespace, "link", "set", "lo", "up")
+        os.makedirs(host.etc, exist_ok=True)
+        with open(os.path.join(host.etc, "hosts"), "w") as f:
+            f.write(f"127.0.0.1 localhost\n{host.address} {host.namespace}\n")
         return host
 
     def link_down(self, name: str) -> None:
@@ -231,7 +250,9 @@ class NetnsCluster:
     def launch(self, host: Host, cmd: list[str]) -> None:
         log = open(self.log_path(host), "w")
         host.process = subprocess.Popen(
-            ["ip", "netns", "exec", host.namespace, *cmd],
+            # A hostname of its own (a UTS namespace), as a real host has: gloo binds the address
+            # its host's name resolves to, which is loopback for this machine's own name.
+            ["ip", "netns", "exec", host.namespace, "unshare", "--uts", *set_hostname(host.namespace), *cmd],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -279,7 +300,10 @@ class NetnsCluster:
             subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
             subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
             shutil.rmtree(host.temp_dir, ignore_errors=True)
+            shutil.rmtree(host.etc, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        with contextlib.suppress(OSError):  # left for another cluster that still uses it
+            os.rmdir(NETNS_ETC)
 
 
 @contextlib.contextmanager
