@@ -285,3 +285,16 @@ def test_param_groups_that_would_lose_a_parameter_or_a_hyperparameter_are_refuse
     model = workload.build_model({"width": 4})
     with pytest.raises(PlaybookError, match=rf"^workload mlp_digits: {message}"):
         workload_optimizer("nesterov", workload, model, {"learning_rate": 0.1, "weight_decay": 0.1})
+
+
+def test_the_fast_paths_async_checkpoints_keep_the_scaler(digits_dir, tmp_path):
+    """The single-worker fast path saves through AsyncCheckpointer (a snapshot of the state):
+    its last checkpoint holds the same fp16 scaler state as the reporter's."""
+    from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
+
+    reported = final_state(run(plan_with(digits_dir, tmp_path / "a", precision="fp16"), tmp_path / "wa"))
+    store = CheckpointStore(str(tmp_path / "store"), 2, "validation/loss", "min")
+    plan = plan_with(digits_dir, tmp_path / "b", precision="fp16")
+    train(plan, Topology(), Reporter(tmp_path / "wb"), checkpointer=AsyncCheckpointer(store))
+    saved = store.latest_state()
+    assert saved.step == STEPS and saved.scaler == reported.scaler != {}
