@@ -78,9 +78,10 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
-        if t > self.context:
-            raise ValueError(
-                f"workload lm: sequences of {t} tokens exceed the context {self.context}"
+        if t > self.context:  # deterministic: a bad study, not a failure to retry
+            raise SpecError(
+                f"workload lm: context {self.context} is shorter than the data's sequences ({t} tokens); "
+                "set the hyperparameter context to at least the data's --seq-len"
             )
         x = self.drop(self.tokens(tokens) + self.positions(torch.arange(t, device=tokens.device)))
         for block in self.blocks:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from service import workloads
+from service.core.errors import SpecError
 from service.data import text
 from service.data.files import list_files
 from service.data.loader import eval_batches
@@ -96,7 +97,9 @@ def test_tied_embeddings_share_one_matrix():
 
 
 def test_sequences_longer_than_the_context_are_refused():
-    with pytest.raises(ValueError, match="sequences of 25 tokens exceed the context 24"):
+    with pytest.raises(
+        SpecError, match=r"^workload lm: context 24 is shorter than the data's sequences \(25 tokens\)"
+    ):
         model_of()(torch.zeros(1, SEQ_LEN + 1, dtype=torch.int64))
 
 
