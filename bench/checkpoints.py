@@ -57,12 +57,16 @@ def measure(width: int, root: str) -> dict:
                 else:
                     store.save(state, metrics)
                     sync.append(time.perf_counter() - t)
+            # Both sides free what they no longer keep outside the clock (the store on its
+            # deleting thread, which would otherwise overlap the next timed write).
+            store.wait_deletions()
             if i >= 2:  # keep as many bare files as the store keeps checkpoints
                 os.remove(os.path.join(bare_dir, f"state-{i - 2}.pt"))
             t = time.perf_counter()
             saver.save(state, metrics)
             stall.append(time.perf_counter() - t)
             saver.wait()  # the eval interval is longer than a save: no save is still in flight
+            async_store.wait_deletions()
             t = time.perf_counter()
             for buf, tensor in zip(buffers, tensors, strict=True):
                 buf.copy_(tensor)

@@ -54,10 +54,16 @@ def service_batches(
     """`num_batches` training batches of one rank (one host, one worker) as the trainer gets
     them, opening the files included. `preprocess` runs where a workload's online
     preprocessing runs: inside `to_batch`, on the loader's prefetch thread when there is one,
-    or in `num_workers` input worker processes when that is > 0."""
+    or in `num_workers` input worker processes when that is > 0. The loader is closed after
+    the last batch."""
     workload = Digits() if preprocess is None else Preprocessed(preprocess)
     source = process_source(num_workers) if num_workers else None
     batches = iterate_files(
         workload, [train_uri], batch_size, seed, prefetch_batches=prefetch_batches, source=source
     )
-    return itertools.islice(batches, num_batches)
+    try:
+        yield from itertools.islice(batches, num_batches)
+    finally:  # the prefetch thread and the reads ahead stop with the last batch
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()

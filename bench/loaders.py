@@ -1,10 +1,12 @@
 """Loader figures: examples/s against raw pyarrow + numpy and against torch's DataLoader, the
-exposed input time with CPU-heavy preprocessing, and peak RSS on a 10x larger dataset."""
+exposed input time with CPU-heavy preprocessing, and the peak RSS growth of an epoch on a 10x
+larger dataset against that of an epoch on the base one."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -15,11 +17,17 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bench.common import figure, median_of, write_digits_like
+from bench.common import figure, write_digits_like
 from bench.loader_adapter import heavy_preprocess, service_batches
 
 NUM_ROWS, NUM_FILES, BATCH = 100_000, 8, 256
-REPEATS = 3
+REPEATS = 7
+"""Epochs of each loader for the examples/s figures, interleaved (an epoch is short: its median
+over several is what is stable)."""
+EPOCHS = 3
+"""Epochs per run of the service's loader and of the pyarrow baseline: one stream over several
+epochs, as training draws it (a stream's start and its read-ahead at the end are paid once)."""
+EXPOSED_REPEATS = 3
 STEPS = 300
 """Steps of the exposed-input loop: three windows of rows, so the input must keep up."""
 WORKERS = 1
@@ -32,6 +40,12 @@ def read_numpy(train_dir: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     table = pq.read_table(train_dir, columns=["example_id", "pixels", "label"])
     pixels = table.column("pixels").combine_chunks().flatten().to_numpy().reshape(-1, 1, 8, 8)
     return pixels, table.column("label").to_numpy(), table.column("example_id").to_numpy()
+
+
+def pyarrow_epochs(train_dir: str) -> int:
+    """`EPOCHS` epochs of the hand-written baseline, each reading the files again (as the
+    service's loader does without its cache)."""
+    return sum(pyarrow_epoch(train_dir) for _ in range(EPOCHS))
 
 
 def pyarrow_epoch(train_dir: str) -> int:
@@ -49,7 +63,8 @@ class Rows(Dataset):
     """The DataLoader way: a map-style dataset of single examples."""
 
     def __init__(self, train_dir: str):
-        self.pixels, self.labels, _ = read_numpy(train_dir)
+        pixels, self.labels, _ = read_numpy(train_dir)
+        self.pixels = pixels.copy()  # writable: torch.from_numpy warns on a read-only view
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -63,14 +78,23 @@ def dataloader_epoch(train_dir: str) -> int:
     return sum(len(labels) for _, labels in loader)
 
 
-def service_epoch(train_dir: str) -> int:
-    return sum(len(b["label"]) for b in service_batches(train_dir, BATCH, NUM_ROWS // BATCH))
+def service_epochs(train_dir: str) -> int:
+    """`EPOCHS` epochs of the service's loader, one stream (closed at the end, its read-ahead
+    included)."""
+    return sum(len(b["label"]) for b in service_batches(train_dir, BATCH, EPOCHS * NUM_ROWS // BATCH))
 
 
-def examples_per_s(fn, train_dir: str) -> float:
-    t = time.perf_counter()
+def cpu_s() -> float:
+    """CPU seconds of this process so far, all its threads (not child processes)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def examples_per_s(fn, train_dir: str) -> tuple[float, float]:
+    """(examples/s, CPU seconds per example) of one epoch of `fn`."""
+    t, c = time.perf_counter(), cpu_s()
     n = fn(train_dir)
-    return n / (time.perf_counter() - t)
+    return n / (time.perf_counter() - t), (cpu_s() - c) / n
 
 
 def exposed_fraction(
@@ -111,15 +135,26 @@ def exposed_fraction(
     return {"fraction": waited / wall, "wait_s": waited, "wall_s": wall, "first_batch_wait_s": first_wait}
 
 
-def peak_rss_mb(train_dir: str, num_batches: int) -> float:
-    """Peak RSS of a fresh process that imports the service and draws `num_batches` batches."""
-    code = (
-        "import resource, sys; from bench.loader_adapter import service_batches; "
-        "n = sum(len(b['label']) for b in service_batches(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
-    )
+RSS_GROWTH = """
+import json, os, sys
+from bench.loader_adapter import service_batches
+def rss():  # resident bytes now
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+directory, batch, rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+before = rss()
+peak = before
+for b in service_batches(directory, batch, rows // batch):  # one epoch, sampled after each batch
+    peak = max(peak, rss())
+print(json.dumps((peak - before) / 2**20))
+"""
+
+
+def rss_growth_mb(train_dir: str, rows: int) -> float:
+    """Peak RSS growth (MB) of a fresh process, after its imports, over one epoch of the
+    service's loader on `rows` rows: the loader's own memory (threads, buffers, windows)."""
     out = subprocess.run(
-        [sys.executable, "-c", code, train_dir, str(BATCH), str(num_batches)],
+        [sys.executable, "-c", RSS_GROWTH, train_dir, str(BATCH), str(rows)],
         capture_output=True,
         text=True,
         check=True,
@@ -128,40 +163,73 @@ def peak_rss_mb(train_dir: str, num_batches: int) -> float:
     return float(out.stdout.split()[-1])
 
 
+def peak_rss_ratio(base: str, big: str) -> dict:
+    """Peak RSS growth of an epoch on the 10x data set / on the base one (alternating, medians)."""
+    base_mb, big_mb = [], []
+    for _ in range(3):
+        base_mb.append(rss_growth_mb(base, NUM_ROWS))
+        big_mb.append(rss_growth_mb(big, 10 * NUM_ROWS))
+    b, g = float(np.median(base_mb)), float(np.median(big_mb))
+    return figure(
+        "loader_peak_rss_ratio",
+        g / b,
+        base_rows=NUM_ROWS,
+        big_rows=10 * NUM_ROWS,
+        base_rss_growth_mb=b,
+        big_rss_growth_mb=g,
+        big_data_mb=10 * NUM_ROWS * (64 * 4 + 16) / 2**20,
+        epochs=1,
+    )
+
+
+def rates(base: str) -> dict:
+    """Examples/s and CPU per example of the service's loader, pyarrow + numpy (`EPOCHS` epochs
+    each) and DataLoader (one), interleaved so that load drifts hit all three alike."""
+    runs = {"service": [], "pyarrow": [], "dataloader": []}
+    for _ in range(REPEATS):
+        for name, fn in (
+            ("service", service_epochs),
+            ("pyarrow", pyarrow_epochs),
+            ("dataloader", dataloader_epoch),
+        ):
+            runs[name].append(examples_per_s(fn, base))
+    return {
+        name: (float(np.median([r for r, _ in v])), float(np.median([c for _, c in v])))
+        for name, v in runs.items()
+    }
+
+
 def run() -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="playbook-bench-data-") as tmp:
         base = write_digits_like(os.path.join(tmp, "base"), NUM_ROWS, NUM_FILES)
-        svc, pa_rates, dl_rates = [], [], []
-        for _ in range(REPEATS):  # interleaved, so load drifts hit all three alike
-            svc.append(examples_per_s(service_epoch, base))
-            pa_rates.append(examples_per_s(pyarrow_epoch, base))
-            dl_rates.append(examples_per_s(dataloader_epoch, base))
-        med = lambda v: float(np.median(v))  # noqa: E731
+        r = rates(base)
+        (svc, svc_cpu), (pa_rate, pa_cpu), (dl_rate, _) = r["service"], r["pyarrow"], r["dataloader"]
         results = {
             "loader_vs_pyarrow": figure(
                 "loader_vs_pyarrow",
-                med(svc) / med(pa_rates),
-                service_examples_per_s=med(svc),
-                pyarrow_examples_per_s=med(pa_rates),
+                svc / pa_rate,
+                service_examples_per_s=svc,
+                pyarrow_examples_per_s=pa_rate,
+                cpu_per_example_ratio=svc_cpu / pa_cpu,
                 rows=NUM_ROWS,
                 batch_size=BATCH,
                 repeats=REPEATS,
             ),
             "loader_vs_dataloader": figure(
                 "loader_vs_dataloader",
-                med(svc) / med(dl_rates),
-                service_examples_per_s=med(svc),
-                dataloader_examples_per_s=med(dl_rates),
+                svc / dl_rate,
+                service_examples_per_s=svc,
+                dataloader_examples_per_s=dl_rate,
                 num_workers=2,
             ),
         }
         # Heavy preprocessing in Python holds the GIL: a prefetch thread cannot run it beside
         # the step, worker processes can (the figure); the thread and no prefetch for reference.
         median_run = lambda runs: sorted(runs, key=lambda r: r["fraction"])[len(runs) // 2]  # noqa: E731
-        workers = median_run([exposed_fraction(base, num_workers=WORKERS) for _ in range(REPEATS)])
-        thread = median_run([exposed_fraction(base) for _ in range(REPEATS)])
-        unfetched = median_run([exposed_fraction(base, prefetch_batches=0) for _ in range(REPEATS)])
+        workers = median_run([exposed_fraction(base, num_workers=WORKERS) for _ in range(EXPOSED_REPEATS)])
+        thread = median_run([exposed_fraction(base) for _ in range(EXPOSED_REPEATS)])
+        unfetched = median_run([exposed_fraction(base, prefetch_batches=0) for _ in range(EXPOSED_REPEATS)])
         results["exposed_input_fraction"] = figure(
             "exposed_input_fraction",
             workers["fraction"],
@@ -177,18 +245,7 @@ def run() -> dict:
             without_prefetch_wait_s=unfetched["wait_s"],
         )
         big = write_digits_like(os.path.join(tmp, "big"), 10 * NUM_ROWS, 10 * NUM_FILES, seed=1)
-        batches = 200
-        base_rss, _ = median_of(lambda: peak_rss_mb(base, batches), 1)
-        big_rss, _ = median_of(lambda: peak_rss_mb(big, batches), 1)
-        results["loader_peak_rss_ratio"] = figure(
-            "loader_peak_rss_ratio",
-            big_rss / base_rss,
-            base_rows=NUM_ROWS,
-            big_rows=10 * NUM_ROWS,
-            base_peak_rss_mb=base_rss,
-            big_peak_rss_mb=big_rss,
-            batches_drawn=batches,
-        )
+        results["loader_peak_rss_ratio"] = peak_rss_ratio(base, big)
     return results
 
 

@@ -25,7 +25,7 @@ BASELINES = {
     "checkpoint_ratio": ("save_s", "torch_save_s", "s"),
     "async_checkpoint_stall_ratio": ("stall_s", "sync_save_s", "s"),
     "async_stall_vs_copy": ("stall_s", "copy_s", "s"),
-    "loader_peak_rss_ratio": ("big_peak_rss_mb", "base_peak_rss_mb", "MB"),
+    "loader_peak_rss_ratio": ("big_rss_growth_mb", "base_rss_growth_mb", "MB"),
 }
 
 

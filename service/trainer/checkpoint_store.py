@@ -138,11 +138,15 @@ class CheckpointStore:
             self.fs.rm_file(posixpath.join(path, checkpoint.MANIFEST_FILE))
             self._deletions.append(self._deleter.submit(self.fs.rm, path, recursive=True))
 
-    def close(self) -> None:
-        """Wait until superseded checkpoints are deleted."""
+    def wait_deletions(self) -> None:
+        """Wait until the superseded checkpoints dropped so far are deleted."""
         done, self._deletions = self._deletions, []
         for f in done:
             f.result()
+
+    def close(self) -> None:
+        """Wait until superseded checkpoints are deleted."""
+        self.wait_deletions()
 
 
 def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
