@@ -17,6 +17,7 @@ from service.core.trial_status import DONE, TrialStatus
 from service.orchestration.ray_private import remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
 from service.orchestration.tune_run import TuneRun
+from service.planning import bayesian
 from service.planning.rounds import plan_round, row_fields
 from service.study import spec
 from service.study.checks import trial_footprint
@@ -108,6 +109,9 @@ class Coordinator:
         self.observers.rows_changed(self.table.snapshot(), state=state)
 
     def _run_round(self, rnd: Round, last: bool) -> None:
+        if rnd.kind == "bayesian":
+            self._run_bayesian(rnd, last)
+            return
         configs = plan_round(self.study, rnd, self.table.snapshot())
         for c in configs:
             if c["trial_name"] not in self.table.rows:
@@ -142,6 +146,22 @@ class Coordinator:
             flush=True,
         )
         self._tune_runs(rnd.name, [todo[i : i + size] for i in range(0, len(todo), size)], concurrency, last)
+
+    def _run_bayesian(self, rnd: Round, last: bool) -> None:
+        """One Tune run whose searcher plans the round's trials one at a time; their rows appear
+        as they start (`trial_event`). A resumed round runs only the trials it still lacks."""
+        todo, first = bayesian.remaining(rnd, self.table.snapshot())
+        print(f"round {rnd.name}: {todo} trials, one at a time (bayesian)", flush=True)
+        if not todo:
+            return
+        runner = self.spare_runner or TuneRun.remote()
+        self.spare_runner = None if last else TuneRun.remote()
+        me = ray.get_runtime_context().current_actor
+        try:
+            ray.get(runner.fit_bayesian.remote(self.study, rnd, self.table.snapshot(), todo, first, me))
+        finally:
+            ray.kill(runner)
+            remove_placement_groups_of(runner)
 
     def _tune_runs(self, name: str, runs: list[list[dict]], concurrency: int, last_round: bool) -> None:
         """Consecutive Ray Tune runs over these trial configs, each in a `TuneRun` actor that
@@ -187,6 +207,14 @@ class Coordinator:
 
     def trial_event(self, kind: str, trial: dict, *args) -> None:
         """A Tune trial event from the running `TuneRun` (started, result, complete, error)."""
+        if trial["trial_name"] not in self.table.rows:  # planned by a bayesian round's searcher
+            self.table.update(
+                trial["trial_name"],
+                round=trial["round"],
+                status=TrialStatus.PENDING,
+                max_train_steps=trial["max_train_steps"],
+                **row_fields(trial),
+            )
         getattr(self.events, kind)(trial, *args)
 
     def _concurrency(self, rnd: Round) -> int:

@@ -67,3 +67,9 @@ def remove_placement_groups_of(actor) -> int:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
             removed += 1
     return removed
+
+
+def optuna_trial_of(searcher, trial_id: str):
+    """The optuna trial behind a Tune trial of an `OptunaSearch` (its `_ot_trials`): Tune tells
+    optuna only a trial's value, and a diverged trial's constraint is set on it before that."""
+    return searcher._ot_trials[trial_id]

@@ -18,7 +18,7 @@ from ray.tune.logger import JsonLoggerCallback
 from service.core import storage
 from service.core.trial_status import TrialStatus
 from service.study.layout import StudyLayout
-from service.study.spec import Study
+from service.study.spec import Round, Study
 
 # A Ray Train trial's Tune trial only drives its worker group, whose workers reserve the CPUs
 # and GPUs. Tune needs every trial to reserve something, so it reserves a token of memory and
@@ -138,14 +138,31 @@ class TuneRun:
         os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
 
     def fit(self, study: Study, name: str, configs: list[dict], concurrency: int, coordinator) -> None:
+        # A trial's process (and its imports: torch, the workload) serves the run's next
+        # trial instead of a new actor per trial. Each trial sets its own seeds, threads and
+        # state, so what it computes does not depend on the process it lands in.
+        tune_config = tune.TuneConfig(max_concurrent_trials=concurrency, reuse_actors=True)
+        self._fit(study, name, coordinator, tune_config, {"trial": tune.grid_search(configs)})
+
+    def fit_bayesian(
+        self, study: Study, rnd: Round, rows: list[dict], num_trials: int, first_index: int, coordinator
+    ) -> None:
+        """A bayesian round's `num_trials` trials, suggested by its searcher one at a time: each
+        suggestion sees every result before it, so the round does not depend on finish order."""
+        from service.orchestration.bayesian_search import round_searcher
+
+        searcher = round_searcher(study, rnd, rows, first_index)
+        tune_config = tune.TuneConfig(
+            search_alg=searcher, num_samples=num_trials, max_concurrent_trials=1, reuse_actors=True
+        )
+        self._fit(study, rnd.name, coordinator, tune_config, {})
+
+    def _fit(self, study: Study, name: str, coordinator, tune_config, param_space: dict) -> None:
         fs, tune_path = storage.ray_storage(study.layout.tune_dir)
         tune.Tuner(
             study_trainable(study),
-            param_space={"trial": tune.grid_search(configs)},
-            # A trial's process (and its imports: torch, the workload) serves the run's next
-            # trial instead of a new actor per trial. Each trial sets its own seeds, threads and
-            # state, so what it computes does not depend on the process it lands in.
-            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, reuse_actors=True),
+            param_space=param_space,
+            tune_config=tune_config,
             run_config=tune.RunConfig(
                 name=name,
                 storage_path=tune_path,
