@@ -150,8 +150,10 @@ class Training:
     """Whether lower (`min`) or higher (`max`) `metric` is better."""
     seed: int = 0
     """Study seed: every trial's init seed and per-host data seeds derive from it."""
-    optimizer: Literal["sgd_momentum", "nesterov", "adamw"] = "nesterov"
-    """Optimizer; its hyperparameters (learning_rate, momentum, ...) come from `search`."""
+    optimizer: Literal["sgd_momentum", "nesterov", "adamw", "workload"] = "nesterov"
+    """Optimizer; its hyperparameters (learning_rate, momentum, ...) come from `search`.
+    `workload`: the workload's own (`Workload.optimizer`), which must read every optimizer
+    hyperparameter the trial sets (checked when a trial builds it)."""
     schedule: Schedule = field(default_factory=Schedule)
     """Learning-rate schedule."""
     ghost_batch_norm: bool = False
@@ -426,7 +428,7 @@ class Study:
         tr, schedule = self.training, self.training.schedule
         for name, hp in self.search.items():
             readers = READ_BY_OPTIMIZERS.get(name, (tr.optimizer,))
-            if tr.optimizer not in readers:
+            if tr.optimizer not in (*readers, "workload"):
                 yield (
                     f"search.{name}",
                     f"not read by optimizer {tr.optimizer} (only by {', '.join(readers)})",

@@ -1,5 +1,6 @@
 """The built-in optimizers (SGD with momentum, Nesterov, AdamW), built from the trial's
-hyperparameters over the workload's parameter groups (`Workload.param_groups`)."""
+hyperparameters over the workload's parameter groups (`Workload.param_groups`), or the
+workload's own (`Workload.optimizer`)."""
 
 from __future__ import annotations
 
@@ -33,14 +34,18 @@ def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
 
 
 def workload_optimizer(name: str, workload, model: nn.Module, hparams: dict) -> torch.optim.Optimizer:
-    """The built-in optimizer `name` over the workload's parameter groups, checked: every
+    """The built-in optimizer `name` (or with `workload` the workload's own) over the workload's
+    parameter groups, checked: every
     trainable parameter in exactly one group, no group setting `lr` (the schedule sets every
     group's), only options the optimizer has, and every optimizer hyperparameter of the trial
     reaching at least one group."""
     where = f"workload {workload.name}: param_groups"
     groups = [{**g, "params": list(g["params"])} for g in workload.param_groups(model, hparams)]
     check_covers(groups, model, where)
-    optimizer = build_optimizer(name, [dict(g) for g in groups], hparams)  # torch fills in its copies
+    if name == "workload":
+        optimizer = own_optimizer(workload, groups, hparams)
+    else:
+        optimizer = build_optimizer(name, [dict(g) for g in groups], hparams)  # torch fills in its copies
     for i, group in enumerate(groups):
         unknown = sorted(set(group) - set(optimizer.defaults) - {"params", "name"})
         if "lr" in group or unknown:
@@ -50,6 +55,31 @@ def workload_optimizer(name: str, workload, model: nn.Module, hparams: dict) -> 
         if hparam in hparams and all(key in g for g in groups):
             raise PlaybookError(f"{where}: every group sets {key}, so {hparam} reaches no parameter")
     return optimizer
+
+
+def own_optimizer(workload, groups: list[dict], hparams: dict) -> torch.optim.Optimizer:
+    """The workload's own optimizer (`training.optimizer: workload`), checked to read every
+    optimizer hyperparameter the trial sets: built again with each one changed, its groups'
+    options must change."""
+    where = f"workload {workload.name}: optimizer"
+    optimizer = workload.optimizer([dict(g) for g in groups], hparams)
+    if optimizer is None:
+        raise PlaybookError(f"{where}: returns None with training.optimizer: workload")
+    if "lr" not in optimizer.defaults:
+        raise PlaybookError(f"{where}: has no lr option for the learning-rate schedule to set")
+    for hparam in (h for h in GROUP_KEYS if h in hparams):
+        value = float(hparams[hparam])
+        changed = {**hparams, hparam: value + 0.1 if value < 0.5 else value - 0.1}
+        other = workload.optimizer([dict(g) for g in groups], changed)
+        if _options(other) == _options(optimizer):
+            raise PlaybookError(
+                f"{where}: does not read {hparam}, which the trial sets (it would reach nothing)"
+            )
+    return optimizer
+
+
+def _options(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def check_covers(groups: list[dict], model: nn.Module, where: str) -> None:

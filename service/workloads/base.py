@@ -104,6 +104,16 @@ class Workload(abc.ABC):
         group of every parameter (`no_weight_decay_groups` keeps norms and biases from decay)."""
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
+    def optimizer(
+        self, param_groups: list[dict[str, Any]], hparams: dict[str, Any]
+    ) -> torch.optim.Optimizer | None:
+        """With `training.optimizer: workload`: this workload's own optimizer over
+        `param_groups` (its `param_groups`, fresh dicts), from the trial's hyperparameters. It
+        must read each of weight_decay, momentum, beta1, beta2 and eps that the trial sets (the
+        service rebuilds it with each one changed and refuses it when nothing changes); the
+        schedule sets every group's `lr` at each step. Default: None (none of its own)."""
+        return None
+
 
 def no_weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     """Two parameter groups: weights of two or more dimensions (decayed) and the rest, the

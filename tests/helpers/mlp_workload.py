@@ -46,3 +46,18 @@ class NoDecayMLPDigits(MLPDigits):
 
 def _first_linear(model: nn.Module) -> nn.Linear:
     return next(m for m in model.modules() if isinstance(m, nn.Linear))
+
+
+class AdagradMLPDigits(MLPDigits):
+    """Its own optimizer (`training.optimizer: workload`): Adagrad, reading eps and weight_decay."""
+
+    def optimizer(self, param_groups, hparams):
+        eps, wd = float(hparams.get("eps", 1e-10)), float(hparams.get("weight_decay", 0.0))
+        return torch.optim.Adagrad(param_groups, lr=float(hparams["learning_rate"]), eps=eps, weight_decay=wd)
+
+
+class DecayBlindMLPDigits(MLPDigits):
+    """An own optimizer that never reads weight_decay."""
+
+    def optimizer(self, param_groups, hparams):
+        return torch.optim.Adagrad(param_groups, lr=float(hparams["learning_rate"]))

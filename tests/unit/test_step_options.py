@@ -298,3 +298,54 @@ def test_the_fast_paths_async_checkpoints_keep_the_scaler(digits_dir, tmp_path):
     train(plan, Topology(), Reporter(tmp_path / "wb"), checkpointer=AsyncCheckpointer(store))
     saved = store.latest_state()
     assert saved.step == STEPS and saved.scaler == reported.scaler != {}
+
+
+def test_a_workloads_own_optimizer_is_used_with_the_searched_hyperparameters(digits_dir, tmp_path):
+    """`training.optimizer: workload` with Adagrad, against Adagrad written by hand:
+    g += wd * w; s += g²; w -= lr * g / (sqrt(s) + eps)."""
+    plan = make_plan(
+        digits_dir,
+        tmp_path / "s",
+        hparams={"learning_rate": 0.1, "width": 4, "eps": 0.05, "weight_decay": 0.01},  # no momentum
+        workload="tests.helpers.mlp_workload:AdagradMLPDigits",
+        optimizer="workload",
+        max_train_steps=STEPS,
+        eval_every_steps=EVERY,
+        batch_size=BATCH,
+        schedule={"kind": "constant"},
+    )
+    trained = final_state(run(plan, tmp_path)).model
+    _, model, _, stream = plain_loop_parts(plan)
+    sums = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for step in range(STEPS):
+        batch = stream.batch(step)
+        model.zero_grad()
+        F.cross_entropy(model(batch["features"]), batch["label"]).backward()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                g = p.grad + 0.01 * p
+                sums[name] += g * g
+                p -= 0.1 * g / (sums[name].sqrt() + 0.05)
+    assert_weights_close(trained, model, rtol=1e-5, atol=1e-6)
+
+
+def test_a_workloads_own_optimizer_that_ignores_a_set_hyperparameter_is_refused():
+    from service.core.errors import PlaybookError
+    from service.trainer.optimizers import workload_optimizer
+
+    workload = mlp_workload.DecayBlindMLPDigits()
+    model = workload.build_model({"width": 4})
+    with pytest.raises(PlaybookError, match=r"^workload mlp_digits: optimizer: does not read weight_decay"):
+        workload_optimizer("workload", workload, model, {"learning_rate": 0.1, "weight_decay": 0.1})
+
+
+def test_optimizer_workload_lets_search_set_any_optimizer_hyperparameter():
+    import copy
+
+    from service.study import spec
+    from tests.helpers.studies import MINIMAL_STUDY
+
+    d = copy.deepcopy(MINIMAL_STUDY)
+    d["training"]["optimizer"] = "workload"
+    d["search"].update(momentum={"role": "fixed", "value": 0.9}, eps={"role": "fixed", "value": 1e-6})
+    assert spec.load_dict(d).training.optimizer == "workload"
