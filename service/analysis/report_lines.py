@@ -7,6 +7,7 @@ from service.analysis import curves
 from service.analysis.input_bound import row_verdicts
 from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
+from service.analysis.seed_noise import repeat_sentence
 from service.analysis.verdicts import Verdict
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
@@ -22,8 +23,11 @@ def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
     verdicts += row_verdicts(mine)
     verdicts += curve_verdicts(study, mine)
     groups = best_per_scientific(mine, study.search, study.training.mode)
-    if next(r.kind for r in study.rounds if r.name == round_name) == "extend":
+    kind = next(r.kind for r in study.rounds if r.name == round_name)
+    if kind == "extend":
         sentence = repeats_sentence(mine, study.training.metric, study.training.mode)
+    elif kind == "repeat":
+        sentence = repeat_sentence(mine, study.search, study.training.metric, study.training.mode)
     else:
         sentence = summary_sentence(groups, study.training.metric) if groups else ""
     return {"round": round_name, "verdicts": [as_dict(v) for v in verdicts], "scientific": sentence}

@@ -25,6 +25,10 @@ def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     """Trial configs named `<round>-<index>`; `rows` are the study's trial rows so far."""
     if rnd.kind == "extend":
         return _extend(study, rnd, rows)
+    if rnd.kind == "repeat":
+        from service.planning.repeat import plan_repeat  # repeat.py builds on trial_config here
+
+        return plan_repeat(study, rnd, rows)
     if rnd.kind == "grid":
         points = grid_configs(study.search)
     else:
@@ -66,7 +70,7 @@ def row_fields(config: dict) -> dict:
     return {
         **{f"hp/{k}": v for k, v in config["hparams"].items()},
         **schedules.to_columns(schedule_from_dict(config["schedule"])),
-        **{k: config[k] for k in ("seed", "extended_from", "schedule_origin") if k in config},
+        **{k: config[k] for k in ("seed", "extended_from", "schedule_origin", "repeat_of") if k in config},
     }
 
 

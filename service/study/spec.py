@@ -281,14 +281,16 @@ class Round:
     """Round name, used in trial names (`<round>-<index>`)."""
     num_trials: int
     """Trials in this round."""
-    kind: Literal["quasi_random", "extend", "grid", "bayesian"] = "quasi_random"
+    kind: Literal["quasi_random", "extend", "grid", "bayesian", "repeat"] = "quasi_random"
     """How trials are planned. `quasi_random`: scrambled Halton points over the search space
     (exploration). `extend` (the playbook's round 2): the best configuration of `from_round`
     rerun `num_trials` times (seeds training.seed, +1, ...) for longer, its learning-rate
     schedule extended by the playbook's rules. `grid`: every combination of the `values` of
     the searched choice dimensions (num_trials must equal the number of combinations).
     `bayesian` (exploitation): Optuna's TPE through Ray Tune, warm-started with the trials of
-    `from_round`, one trial at a time (docs/study-file.md)."""
+    `from_round`, one trial at a time (docs/study-file.md). `repeat`: the best trial of
+    `from_round` for each scientific value rerun with `num_trials` other seeds, as long as it
+    ran; its sentence says whether the best two values differ by more than seed noise."""
     max_concurrent_trials: int = 0
     """At most this many trials at once; 0 = as many as the cluster's resources allow."""
     max_train_steps: int | None = None
@@ -320,8 +322,10 @@ class Round:
         yield from _positive(self, "num_trials", "step_multiplier")
         if self.kind != "extend" and self.step_multiplier is not None:
             yield "step_multiplier", f"only applies to kind: extend (kind is {self.kind})"
-        if self.kind not in ("extend", "bayesian") and self.from_round is not None:
-            yield "from_round", f"only applies to kind: extend or bayesian (kind is {self.kind})"
+        if self.kind not in ("extend", "bayesian", "repeat") and self.from_round is not None:
+            yield "from_round", f"only applies to kind: extend, bayesian or repeat (kind is {self.kind})"
+        if self.kind == "repeat" and self.max_train_steps is not None:
+            yield "max_train_steps", "a repeat round runs as long as the trials it repeats"
         if self.kind not in ("quasi_random", "bayesian") and self.seed:
             yield "seed", f"only applies to kind: quasi_random or bayesian (kind is {self.kind})"
         yield from self._bayesian_errors()
@@ -412,10 +416,10 @@ class Study:
                     yield f"rounds[{i}].kind", "grid needs every searched hyperparameter to be a choice"
                 elif r.num_trials != math.prod(len(hp.values) for hp in dims):
                     yield f"rounds[{i}].num_trials", "must equal the number of grid combinations"
-            if r.kind not in ("extend", "bayesian"):
+            if r.kind not in ("extend", "bayesian", "repeat"):
                 continue
             if i == 0:
-                what = "extend another round" if r.kind == "extend" else "be bayesian (it needs a source)"
+                what = "extend another round" if r.kind == "extend" else f"be {r.kind} (it needs a source)"
                 yield f"rounds[{i}].kind", f"the first round cannot {what}"
             elif r.from_round is not None and r.from_round not in names[:i]:
                 yield f"rounds[{i}].from_round", f"no earlier round named {r.from_round!r}"
@@ -497,6 +501,8 @@ class Study:
             return rnd.max_train_steps
         if rnd.kind == "extend":
             return max(1, round(self.round_steps(self.source_round(rnd)) * rnd.multiplier))
+        if rnd.kind == "repeat":
+            return self.round_steps(self.source_round(rnd))
         return self.training.max_train_steps
 
     def source_round(self, rnd: Round) -> Round:
