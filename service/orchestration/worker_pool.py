@@ -166,7 +166,7 @@ class WorkerPool:
 
     def _watch(self, futures: list, done: threading.Event) -> None:
         """Kill the pool's actors as soon as one of them fails: rank 0, waiting for the failed
-        rank in a collective, then fails too instead of waiting forever."""
+        rank in a collective, then fails at once instead of after `collective_timeout_s`."""
         pending = list(futures)
         while pending and not done.is_set():
             ready, pending = ray.wait(pending, timeout=WATCH_INTERVAL_S)
