@@ -39,15 +39,15 @@ BEST_STEP_KINDS = ("best_step_position", "best_step_distribution")
 
 def verdicts_for_round(study: Study, round_name: str, rows: list[dict]) -> list[Verdict]:
     """A round's verdicts. An exploration round gets every check; an extend round reruns one
-    configuration, so only where its best checkpoints sit is meaningful (search-space,
-    trial-count and eval-noise checks would judge a single point). Compute-bound studies also
-    get the budget verdict."""
+    configuration (a repeat round one per scientific value), so only where its best
+    checkpoints sit is meaningful (search-space, trial-count and eval-noise checks would judge
+    a single point). Compute-bound studies also get the budget verdict."""
     mine = [r for r in rows if r.get("round") == round_name]
     kind = next(r.kind for r in study.rounds if r.name == round_name)
     compute_bound = bool(study.budget and study.budget.compute_bound)
     tr = study.training
     verdicts = study_verdicts(mine, study.search, tr.mode, tr.eval_every_steps, compute_bound)
-    if kind == "extend":
+    if kind in ("extend", "repeat"):
         verdicts = [v for v in verdicts if v.kind in BEST_STEP_KINDS]
     elif tr.validation_sample_size is not None:
         noise = sample_noise(study, mine)
@@ -195,7 +195,7 @@ def validate_findings(study: Study) -> list[tuple[str, str, str]]:
 
 def _constant_steps(study: Study) -> list[tuple[str, str, str]]:
     """Not compute-bound: one max_train_steps for every exploration round (extend rounds train
-    the best configuration longer on purpose)."""
+    the best configuration longer on purpose; repeat rounds as long as the trials they repeat)."""
     steps = study.training.max_train_steps
     return [
         (
@@ -206,7 +206,7 @@ def _constant_steps(study: Study) -> list[tuple[str, str, str]]:
             "and uses it for every exploration round",
         )
         for i, rnd in enumerate(study.rounds)
-        if rnd.kind != "extend" and study.round_steps(rnd) != steps
+        if rnd.kind not in ("extend", "repeat") and study.round_steps(rnd) != steps
     ]
 
 

@@ -25,6 +25,8 @@ def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     """Trial configs named `<round>-<index>`; `rows` are the study's trial rows so far."""
     if rnd.kind == "extend":
         return _extend(study, rnd, rows)
+    if rnd.kind == "bayesian":
+        raise PlaybookError(f"round {rnd.name}: a bayesian round's trials are planned by its searcher")
     if rnd.kind == "repeat":
         from service.planning.repeat import plan_repeat  # repeat.py builds on trial_config here
 

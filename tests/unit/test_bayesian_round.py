@@ -165,3 +165,14 @@ def test_a_resumed_round_runs_what_it_lacks_after_its_highest_index():
     ]
     assert bayesian.remaining(s.rounds[1], ROWS + mine) == (2, 2)
     assert bayesian.remaining(s.rounds[1], ROWS) == (3, 0)
+
+
+def test_plan_round_leaves_a_bayesian_round_to_its_searcher():
+    from service.core.errors import PlaybookError
+    from service.planning.rounds import plan_round
+
+    s = study()
+    with pytest.raises(
+        PlaybookError, match="^round r2: a bayesian round's trials are planned by its searcher$"
+    ):
+        plan_round(s, s.rounds[1], ROWS)

@@ -119,3 +119,20 @@ def test_bad_repeat_round_names_the_field(change, field, why):
     with pytest.raises(SpecError) as e:
         study(**change)
     assert str(e.value).startswith(f"{field}: ") and why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_repeat_round_is_judged_like_an_extend_round():
+    """Only where the best checkpoints sit: boundary and trial-count checks would judge a few
+    repeated points (here the repeats sit at the learning rate's upper bound, a boundary
+    verdict for an exploration round)."""
+    from service.analysis.round_checks import BEST_STEP_KINDS, verdicts_for_round
+
+    s = study()
+    rows = [
+        {**r, "hp/learning_rate": 1.0, "best_step": 100, "step": 100}
+        for r in rep_rows([0.2, 0.21], [0.3, 0.31])
+    ]
+    kinds = {v.kind for v in verdicts_for_round(s, "rep", rows)}
+    assert kinds <= set(BEST_STEP_KINDS)
+    explore = {v.kind for v in verdicts_for_round(s, "r1", [{**r, "round": "r1"} for r in rows])}
+    assert "boundary" in explore
