@@ -9,6 +9,7 @@ import math
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.core import storage
@@ -75,7 +76,7 @@ class Coordinator:
 
     def run(self) -> list[dict]:
         # The first round's TuneRun starts (its process and imports) while the study is set up.
-        self.spare_runner = TuneRun.remote()
+        self.spare_runner = tune_runner()
         try:
             return self._run()
         finally:
@@ -154,8 +155,8 @@ class Coordinator:
         print(f"round {rnd.name}: {todo} trials, one at a time (bayesian)", flush=True)
         if not todo:
             return
-        runner = self.spare_runner or TuneRun.remote()
-        self.spare_runner = None if last else TuneRun.remote()
+        runner = self.spare_runner or tune_runner()
+        self.spare_runner = None if last else tune_runner()
         me = ray.get_runtime_context().current_actor
         try:
             ray.get(runner.fit_bayesian.remote(self.study, rnd, self.table.snapshot(), todo, first, me))
@@ -168,9 +169,9 @@ class Coordinator:
         ends with it (what Tune's driver loop leaves behind goes with its process). Their trial
         events come back through `trial_event`: the trial table holds what the study keeps."""
         for i, configs in enumerate(runs):
-            runner = self.spare_runner or TuneRun.remote()
+            runner = self.spare_runner or tune_runner()
             # The next run's TuneRun starts (imports, Tune's set-up) while this one runs.
-            self.spare_runner = TuneRun.remote() if i + 1 < len(runs) or not last_round else None
+            self.spare_runner = tune_runner() if i + 1 < len(runs) or not last_round else None
             self._fit(runner, name, configs, concurrency)
 
     def _fit(self, runner, name: str, configs: list[dict], concurrency: int) -> None:
@@ -196,7 +197,7 @@ class Coordinator:
                         flush=True,
                     )
                     remove_placement_groups_of(runner)
-                    runner = TuneRun.remote()
+                    runner = tune_runner()
         finally:
             ray.kill(runner)
             remove_placement_groups_of(runner)
@@ -241,6 +242,18 @@ def trials_that_fit(study: Study, resources: dict) -> int:
     return max(1, min(fits, default=1))
 
 
+def on_this_node() -> NodeAffinitySchedulingStrategy:
+    """Placement on the caller's node, which the actor then shares the fate of: the coordinator
+    on the driver's (the head, for `ray job submit`), its Tune runs on the coordinator's. Left to
+    Ray, they could land on any worker host, and losing that host would end the study."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def tune_runner():
+    """A new `TuneRun` actor, on this (the coordinator's) node."""
+    return TuneRun.options(scheduling_strategy=on_this_node()).remote()
+
+
 def run_study(study: Study) -> list[dict]:
     """Start the study's coordinator on the connected Ray cluster and wait for it."""
     name = actor_name(study.name)
@@ -254,9 +267,9 @@ def run_study(study: Study) -> list[dict]:
     # Train's placement-group cleaner asks Ray's state API for "the" Ray of its machine, which
     # fails (a traceback in the job log) where another Ray runs on the same machine.
     env = {**storage.forwarded_env(), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    coordinator = Coordinator.options(name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}).remote(
-        study
-    )
+    coordinator = Coordinator.options(
+        name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}, scheduling_strategy=on_this_node()
+    ).remote(study)
     try:
         return ray.get(coordinator.run.remote())
     finally:

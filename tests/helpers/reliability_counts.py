@@ -23,6 +23,11 @@ FAULT_TESTS = {
     "round's Tune run process SIGKILLed; a torn checkpoint on Ray storage": (
         "tests/faults/test_fault_driver_kill.py"
     ),
+    "a host's link down mid-trial (a partition) and back up, on hosts in network namespaces": (
+        "tests/cluster/test_partition.py"
+    ),
+    "a collective whose peer stopped answering times out": "tests/multiprocess/test_collective_timeout.py",
+    "a superseded trial attempt's writes refused": "tests/unit/test_attempt_fence.py",
     "crash while a checkpoint is written / copied": "tests/faults/test_fault_checkpoint_commit.py",
     "storage errors (transient, persistent, permission denied, gcsfs 403/5xx, GCS emulator down "
     "mid-write)": "tests/faults/test_fault_storage.py",
