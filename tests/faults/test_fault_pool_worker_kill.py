@@ -1,7 +1,8 @@
-"""A multi-worker trial on a reused pool (`scaling.reuse_workers`): world rank 1, a pool actor,
-is SIGKILLed mid-run; the trial fails on every rank, Tune restarts it on a new pool, it resumes
-from its latest complete checkpoint, and it ends bitwise the same as an uninterrupted run
-(metrics, weights, every rank's RNG state, kept checkpoints)."""
+"""A multi-worker trial on a reused pool (`scaling.reuse_workers`): world rank 1 (a pool actor)
+or world rank 0 (the Tune trial's own process, which owns the pool's actors) is SIGKILLed
+mid-run; the trial fails on every rank, Tune restarts it on a new pool, it resumes from its
+latest complete checkpoint, and it ends bitwise the same as an uninterrupted run (metrics,
+weights, every rank's RNG state, kept checkpoints)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def latest_state(study):
     return CheckpointStore(trial_dir(study), 2, tr.metric, tr.mode).latest_state()
 
 
-def test_killed_pool_worker_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path):
+@pytest.mark.parametrize("rank", [1, 0], ids=["pool-actor", "trial-process"])
+def test_killed_pool_worker_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path, rank):
     from service.orchestration.coordinator import run_study
 
     reference = study_in(digits_dir, tmp_path / "reference")
@@ -79,7 +81,7 @@ def test_killed_pool_worker_resumes_to_the_same_result(ray_cluster, digits_dir, 
         if os.path.isdir(trial_dir(study)) and complete_steps(study):
             killed = ranks(study)
             persisted = max(complete_steps(study))
-            os.kill(killed[1]["pid"], signal.SIGKILL)
+            os.kill(killed[rank]["pid"], signal.SIGKILL)
             killed_after = log(study)[-1]["step"]
         time.sleep(0.05)
     runner.join(timeout=400)

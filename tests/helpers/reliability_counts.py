@@ -15,9 +15,8 @@ BEGIN, END = "<!-- reliability-counts:begin -->", "<!-- reliability-counts:end -
 FAULT_TESTS = {
     "training worker SIGKILLed mid-run": "tests/faults/test_fault_worker_kill.py",
     "single-worker (fast path) trial process SIGKILLed mid-run": "tests/faults/test_fault_trial_kill.py",
-    "pool worker of a multi-worker trial with reused workers SIGKILLed mid-run": (
-        "tests/faults/test_fault_pool_worker_kill.py"
-    ),
+    "a rank of a multi-worker trial with reused workers (a pool actor, the trial's own process) "
+    "SIGKILLed mid-run": "tests/faults/test_fault_pool_worker_kill.py",
     "host removed from a 2-host trial, replacement added": "tests/cluster/test_fault_node_removed.py",
     "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; the "
     "round's Tune run process SIGKILLed; a torn checkpoint on Ray storage": (
