@@ -54,21 +54,34 @@ def microbatches(batch: Batch, size: int | None) -> list[Batch]:
 
 def forward_backward(ctx: TrialContext, batch: Batch) -> torch.Tensor:
     """The gradients of the batch's mean loss, accumulated over its microbatches: each
-    microbatch's mean loss divided by their number (equal sizes: the sum is the batch's mean).
-    DDP skips its all-reduce on every microbatch but the last (`no_sync`). Returns the batch's
-    mean loss, detached, on the device."""
+    microbatch's mean loss times its share of the batch (`microbatch_shares`), so that the sum
+    is the batch's mean. DDP skips its all-reduce on every microbatch but the last (`no_sync`).
+    Returns the batch's mean loss, detached, on the device."""
     parts = microbatches(batch, ctx.microbatch_size)
+    shares = microbatch_shares(ctx.workload, batch, parts)
     total = None
-    for i, part in enumerate(parts):
+    for i, (part, share) in enumerate(zip(parts, shares, strict=True)):
         last = i == len(parts) - 1
         with contextlib.nullcontext() if last or not distributed() else ctx.ddp.no_sync():
             with ctx.precision.autocast():
                 loss = ctx.workload.loss(ctx.workload.forward(ctx.ddp, part), part).mean()
-            if len(parts) > 1:
-                loss = loss / len(parts)
+            if share is not None:
+                loss = loss * share
             ctx.precision.backward(loss)
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def microbatch_shares(workload, batch: Batch, parts: list[Batch]) -> list:
+    """Each microbatch's share of the batch's mean loss: 1 / their number for a loss averaged
+    over rows, its part of `Workload.loss_weight` otherwise (device scalars: no host sync).
+    None for a batch taken whole."""
+    if len(parts) == 1:
+        return [None]
+    whole = workload.loss_weight(batch)
+    if whole is None:
+        return [1.0 / len(parts)] * len(parts)
+    return [workload.loss_weight(part) / whole for part in parts]
 
 
 def update(ctx: TrialContext) -> None:

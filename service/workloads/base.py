@@ -93,6 +93,13 @@ class Workload(abc.ABC):
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(batch["features"])
 
+    def loss_weight(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """What the training loss of `batch` is a mean over, when it is not its rows (e.g. a
+        language model's real tokens), as a device scalar. With microbatches each one's mean
+        loss counts in proportion to it, so the step's loss stays the mean over the whole
+        per-worker batch. Default None: the rows, equal for equal microbatches."""
+        return None
+
     def model_hparams(self, hparams: dict[str, Any]) -> dict[str, Any]:
         return {**self.hparam_defaults, **{k: v for k, v in hparams.items() if k in self.hparam_defaults}}
 

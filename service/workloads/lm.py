@@ -147,6 +147,10 @@ class LanguageModel(Workload):
         summed = token_losses(outputs, batch).sum(dim=1)
         return summed * (len(summed) / batch["label"].sum().clamp(min=1))
 
+    def loss_weight(self, batch):
+        """The loss is a mean over real tokens: a microbatch counts by its real tokens."""
+        return batch["label"].sum()
+
     def metrics(self, outputs, batch):
         """Per sequence, the mean over its real tokens in float64 (times its weight, the token
         count, this is the summed token loss)."""

@@ -109,3 +109,36 @@ def test_to_batch_builds_the_tokens_by_hand(corpus):
     for i, r in enumerate(table.to_pylist()):
         assert batch["tokens"][i].tolist() == [r["context"], *r["bytes"]]
         assert batch["label"][i] == batch["weight"][i] == r["num_tokens"]
+
+
+def test_microbatches_count_by_their_real_tokens(corpus):
+    """With microbatches of different real-token counts (two short file-ending sequences, then two
+    full ones), the step's gradients are those of one mean over the batch's real tokens, by hand.
+    Dividing each microbatch's mean by their number instead gives other gradients."""
+    from types import SimpleNamespace
+
+    from service.trainer.precision import Precision
+    from service.trainer.step import forward_backward
+
+    workload, table = workloads.get("lm"), pq.read_table(str(corpus / "train"))
+    rows = (
+        shortest_first(table.to_pylist(), 2)
+        + [r for r in table.to_pylist() if r["num_tokens"] == SEQ_LEN][:2]
+    )
+    batch = workload.to_batch(table.take([r["example_id"] for r in rows]))
+    model = model_of().train()
+    ctx = SimpleNamespace(workload=workload, ddp=model, precision=Precision("fp32", "cpu"), microbatch_size=2)
+    loss = forward_backward(ctx, batch)
+    stepped = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for r in rows:  # the plain loop: every sequence alone, its real tokens only
+        real = list(r["bytes"][: r["num_tokens"]])
+        logits = model(torch.tensor([[r["context"], *real[:-1]]]))[0]
+        total = total + torch.nn.functional.cross_entropy(logits, torch.tensor(real), reduction="sum")
+        count += len(real)
+    (total / count).backward()
+    assert loss.item() == pytest.approx(total.item() / count, rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(stepped[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
