@@ -5,6 +5,7 @@ restore starts from."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -152,9 +153,21 @@ def build_model(plan: TrialPlan, topo: Topology, workload, device):
     init_params = topology_record.params_sha256(model)
     if tr.compile:  # in place: the module (its state_dict keys, the checkpoint) is the same one
         model.compile(backend=COMPILE_BACKEND)
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if distributed() else model
+    ddp = wrap_ddp(model) if distributed() else model
     optimizer = workload_optimizer(tr.optimizer, workload, model, plan.hparams)
     return model, ddp, optimizer, init_params
+
+
+def wrap_ddp(model: nn.Module) -> nn.Module:
+    """DDP whose gradient buckets keep the layout they are built with. By default DDP rebuilds
+    them after its first step, in the order the gradients became ready: the first step after
+    every restart would all-reduce another layout than the same step of an uninterrupted run,
+    and with 3 or more ranks the float sums of a gradient run in another order (a resumed run
+    would not end bitwise equal). `find_unused_parameters=True` is what keeps the buckets (for
+    one extra walk of the autograd graph per step); torch's warning that it found no unused
+    parameter is expected."""
+    warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
+    return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=True)
 
 
 def plan_evals(plan: TrialPlan, topo: Topology, train_files) -> EvalPlan:
