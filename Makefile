@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean chromium bench bench-cluster bench-scale
+.PHONY: setup demo test test-fast test-cluster lint clean chromium bench bench-cluster bench-scale real-hosts
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,11 @@ bench-scale: setup
 # Only the 1,000-trial study and the 4-node simulated cluster (issue 11; also in `bench`).
 bench-cluster: setup
 	$(PY) -m bench.run --only cluster
+
+# A head and 3 worker hosts, each in its own network namespace with its own address (needs root
+# and iproute2): a 2-trial study submitted with `ray job submit`, then all torn down.
+real-hosts: setup
+	$(PY) -m tests.helpers.real_hosts_demo
 
 lint: setup
 	$(VENV)/bin/ruff check service tests

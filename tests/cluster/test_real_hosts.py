@@ -1,0 +1,322 @@
+"""Real hosts: a Ray cluster whose nodes each live in a Linux network namespace with an address
+of their own (tests/helpers/netns_cluster.py), studies submitted with `ray job submit` from the
+root namespace. Each trial is compared with the same trial trained without Ray or a network:
+`loop.train` in one gloo process per rank on this machine (tests/helpers/gloo.py), each given
+the world, host and local rank the layout assigns. The hosts are checked against what the
+network says: Ray's node table (the IP of each node id in topology.json) and Ray Train's own
+record of its workers (their node IP, node_rank and pid)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from service.data.files import list_files
+from service.planning.trial import TrialPlan
+from service.study import spec
+from service.trainer import checkpoint
+from service.trainer.topology import Topology
+from tests.helpers import netns_cluster
+from tests.helpers.ray_head import BIN, wait_for_job
+from tests.helpers.studies import same_nested, study_dict
+from tests.helpers.trainer_runs import Reporter, read_log, without_timing
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 4}
+TRIAL = "explore-0000"
+WORKERS = ["h1", "h2", "h3"]
+JOB_TIMEOUT_S = 480
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = netns_cluster.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with netns_cluster.netns_cluster(tmp_path_factory.mktemp("netns"), WORKERS, cpus=2) as c:
+        yield c
+
+
+def one_trial_study(digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int):
+    """A study of one trial with every hyperparameter fixed (HPARAMS), as plain data."""
+    batch = 30 if hosts * per_host == 3 else 32  # divisible by the workers
+    return study_dict(
+        digits_dir,
+        storage,
+        name=name,
+        scaling={"num_hosts": hosts, "workers_per_host": per_host},
+        training={
+            "max_train_steps": steps,
+            "eval_every_steps": every,
+            "batch_size": batch,
+            "eval_batch_size": 2 * batch,
+        },
+        search={k: {"role": "fixed", "value": v} for k, v in HPARAMS.items()},
+        rounds=[{"name": "explore", "num_trials": 1}],
+    )
+
+
+def plan_of(raw: dict) -> TrialPlan:
+    study = spec.load_dict(raw)
+    return TrialPlan(study, TRIAL, "explore", dict(HPARAMS), study.training.max_train_steps)
+
+
+# The reference: the same trial trained in plain gloo processes, no Ray, no network namespace.
+
+
+def reference_rank(rank: int, world: int, raw: dict, per_host: int, store: str) -> list[str]:
+    import torch
+
+    from service.trainer.loop import train
+
+    torch.set_num_threads(1)
+    topo = Topology(
+        world_rank=rank,
+        world_size=world,
+        host_rank=rank // per_host,
+        num_hosts=world // per_host,
+        local_rank=rank % per_host,
+        workers_per_host=per_host,
+    )
+    reporter = Reporter(pathlib.Path(store))
+    train(plan_of(raw), topo, reporter)
+    return [d for _, d in reporter.reports if d]
+
+
+def reference_run(raw: dict, tmp_path) -> tuple[TrialPlan, dict[int, str]]:
+    """(plan, {step: checkpoint folder}) of the trial of `raw` trained by gloo processes."""
+    from tests.helpers.gloo import run_gloo
+
+    tmp_path.mkdir(exist_ok=True)
+    scaling = raw["scaling"]
+    world = scaling["num_hosts"] * scaling["workers_per_host"]
+    folders = run_gloo(reference_rank, world, tmp_path, raw, scaling["workers_per_host"], str(tmp_path))[0]
+    return plan_of(raw), {checkpoint.step_of(d): d for d in folders}
+
+
+# Submitting a study and reading what it wrote.
+
+
+def submit(cluster, raw: dict, work) -> str:
+    """`ray job submit --no-wait -- playbook run study.yaml` from the root namespace; the job id."""
+    work.mkdir()
+    (work / "study.yaml").write_text(yaml.safe_dump(raw))
+    cmd = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", cluster.dashboard]
+    cmd += ["--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
+    out = subprocess.run(cmd, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+
+
+def finish(cluster, job_id: str) -> str:
+    state, logs = wait_for_job(cluster.dashboard, job_id, cluster.env, timeout_s=JOB_TIMEOUT_S)
+    assert state == "SUCCEEDED", logs[-4000:]
+    return logs
+
+
+def api(cluster, path: str):
+    req = urllib.request.Request(
+        f"{cluster.dashboard}{path}", headers={"Authorization": f"Bearer {cluster.env['RAY_AUTH_TOKEN']}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+
+
+def train_attempts(cluster, submission_id: str) -> list[list[dict]]:
+    """Ray Train's record of each attempt of the job's run of TRIAL: its workers (world_rank,
+    node_rank, node_ip, pid, ...), in attempt order."""
+    job = api(cluster, f"/api/jobs/{submission_id}")["job_id"]
+    runs = api(cluster, "/api/train/v2/runs/v1")["train_runs"]
+    (run,) = [r for r in runs if r["name"] == TRIAL and r["job_id"] == job]
+    return [sorted(a["workers"], key=lambda w: w["world_rank"]) for a in run["attempts"]]
+
+
+def kept_checkpoints(plan: TrialPlan) -> dict[int, str]:
+    folders = [
+        os.path.join(plan.trial_uri, d) for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")
+    ]
+    return {checkpoint.step_of(d): d for d in folders if checkpoint.is_complete(d)}
+
+
+def assert_same_trial(plan: TrialPlan, reference: tuple[TrialPlan, dict[int, str]]) -> None:
+    """The metrics log at every eval and every kept checkpoint (model, optimizer, every rank's
+    generators, precision state, step; history without timings) equal the reference's."""
+    ref_plan, ref_checkpoints = reference
+    logs = [json.dumps([without_timing(r) for r in read_log(p)]) for p in (plan, ref_plan)]
+    assert logs[0] == logs[1]
+    kept = kept_checkpoints(plan)
+    assert plan.max_train_steps in kept and set(kept) <= set(ref_checkpoints)
+    for step, folder in kept.items():
+        got, want = checkpoint.load(folder), checkpoint.load(ref_checkpoints[step])
+        history = [json.dumps([without_timing(r) for r in s.history]) for s in (got, want)]
+        assert history[0] == history[1], step  # as JSON: NaN (an empty class's precision) equals itself
+        got.history, want.history = [], []
+        assert same_nested(vars(got), vars(want)), step
+
+
+def node_ips(cluster, topology: dict) -> list[str]:
+    """The IP of each world rank's node (Ray's node table)."""
+    ip_of = {n["node_id"]: n["node_ip"] for n in cluster.nodes()}
+    return [ip_of[r["node_id"]] for r in sorted(topology["ranks"], key=lambda r: r["world_rank"])]
+
+
+def read_topology(plan: TrialPlan) -> dict:
+    with open(plan.topology_uri) as f:
+        return json.load(f)
+
+
+def assert_hosts_are_namespaces(cluster, job_id: str, plan: TrialPlan, hosts: int, per_host: int) -> None:
+    """Every host rank of topology.json ran on its own worker namespace's address, and Ray Train
+    saw the same workers there, with its node_rank (by IP) equal to the host rank; each host
+    read its own files and together all of them."""
+    topology = read_topology(plan)
+    ranks = sorted(topology["ranks"], key=lambda r: r["world_rank"])
+    ips = node_ips(cluster, topology)
+    worker_addresses = {h.address for name, h in cluster.hosts.items() if name != "head"}
+    assert [(r["host_rank"], r["local_rank"]) for r in ranks] == [
+        (w // per_host, w % per_host) for w in range(hosts * per_host)
+    ]
+    assert len(set(ips)) == hosts and set(ips) <= worker_addresses
+    assert all(ips[w] == ips[w - w % per_host] for w in range(len(ips)))  # a host's ranks share its IP
+
+    workers = train_attempts(cluster, job_id)[-1]
+    assert [w["node_ip"] for w in workers] == ips
+    assert [w["pid"] for w in workers] == [r["pid"] for r in ranks]
+    assert [w["node_rank"] for w in workers] == [r["host_rank"] for r in ranks]
+
+    opened = [set().union(*(r["train_files"] for r in ranks if r["host_rank"] == h)) for h in range(hosts)]
+    assert sum(len(o) for o in opened) == len(set().union(*opened))  # disjoint
+    assert set().union(*opened) == {f.uri for f in list_files(str(plan.study.data.train))}
+
+
+# 3 hosts x 1 worker: the trial, and the same trial losing a host.
+
+STEPS, EVERY = 300, 50
+
+
+@pytest.fixture(scope="module")
+def three_hosts_reference(digits_dir, tmp_path_factory):
+    raw = one_trial_study(digits_dir, tmp_path_factory.mktemp("ref3"), "threehosts", 3, 1, STEPS, EVERY)
+    return reference_run(raw, tmp_path_factory.mktemp("ref3-run"))
+
+
+def test_three_hosts_of_one_worker(cluster, digits_dir, tmp_path, request):
+    raw = one_trial_study(digits_dir, tmp_path / "storage", "threehosts", 3, 1, STEPS, EVERY)
+    job_id = submit(cluster, raw, tmp_path / "work")
+    reference = request.getfixturevalue("three_hosts_reference")  # trains while the job does
+    logs = finish(cluster, job_id)
+    assert f"best trial: {TRIAL}" in logs
+    plan = plan_of(raw)
+    assert_hosts_are_namespaces(cluster, job_id, plan, hosts=3, per_host=1)
+    assert_same_trial(plan, reference)
+
+
+def test_two_hosts_of_two_workers(cluster, digits_dir, tmp_path):
+    raw = one_trial_study(digits_dir, tmp_path / "storage", "twobytwo", 2, 2, 100, 50)
+    job_id = submit(cluster, raw, tmp_path / "work")
+    reference = reference_run(raw, tmp_path / "ref")  # trains while the job does
+    finish(cluster, job_id)
+    plan = plan_of(raw)
+    assert_hosts_are_namespaces(cluster, job_id, plan, hosts=2, per_host=2)
+    assert_same_trial(plan, reference)
+
+
+def registered_steps(plan: TrialPlan) -> list[int]:
+    """Steps of the checkpoints Ray Train's controller took in (its snapshot on storage)."""
+    try:
+        with open(os.path.join(plan.trial_uri, "checkpoint_manager_snapshot.json")) as f:
+            return [r["metrics"]["step"] for r in json.load(f)["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def wait_until(condition, timeout_s: float, every_s: float = 0.05):
+    """condition()'s first truthy value, polled; None after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if value := condition():
+            return value
+        time.sleep(every_s)
+    return None
+
+
+CONTROL_ACTORS = ("TrainController", "ImplicitFunc", "TuneRun", "Coordinator")
+"""Ray process titles of the actors that drive a trial: Ray Train's controller, the Tune trial,
+the study's Tune run and coordinator."""
+
+
+def process_titles(namespace: str) -> list[str]:
+    titles = []
+    for pid in netns_cluster.namespace_pids(namespace):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline") as f:
+            titles.append(f.read())
+    return titles
+
+
+def node_state(cluster, address: str) -> str:
+    return next(n["state"] for n in cluster.nodes() if n["node_ip"] == address)
+
+
+def training_only_host(cluster, plan: TrialPlan) -> str:
+    """A worker host of world rank 1 or 2 that runs no Ray Train controller and no Tune actor,
+    only training workers (the host a training job loses most often)."""
+    ips = node_ips(cluster, read_topology(plan))
+    for ip in ips[1:]:
+        name = next(n for n, h in cluster.hosts.items() if h.address == ip)
+        titles = [
+            open(f"/proc/{p}/cmdline").read()
+            for p in netns_cluster.namespace_pids(cluster.hosts[name].namespace)
+        ]
+        if not any("TrainController" in t or "ImplicitFunc" in t or "TuneRun" in t for t in titles):
+            return name
+    raise AssertionError(f"every host of ranks 1.. runs a controller: {ips}")
+
+
+def test_a_host_killed_mid_trial_is_replaced_and_the_trial_resumes(
+    cluster, three_hosts_reference, digits_dir, tmp_path
+):
+    """Every process of a worker host SIGKILLed once a checkpoint is registered (its link
+    stays up: peers see its sockets reset), a replacement host added once Ray marks the node
+    dead: the trial resumes from its latest registered checkpoint on the new host and ends
+    bitwise equal to the uninterrupted reference. Prints what the loss cost."""
+    raw = one_trial_study(digits_dir, tmp_path / "storage", "hostlost", 3, 1, STEPS, EVERY)
+    plan = plan_of(raw)
+    job_id = submit(cluster, raw, tmp_path / "work")
+    registered = wait_until(lambda: registered_steps(plan), JOB_TIMEOUT_S)
+    assert registered, "no checkpoint was registered"
+    victim = training_only_host(cluster, plan)
+    logged = read_log(plan)[-1]["step"]
+    address = cluster.hosts[victim].address
+    killed_at = time.time()
+    assert cluster.kill_host(victim)
+    dead = wait_until(
+        lambda: any(n["node_ip"] == address and n["state"] == "DEAD" for n in cluster.nodes()), 60, 0.2
+    )
+    detected_s = time.time() - killed_at
+    assert dead and logged < STEPS, f"node not marked dead in 60 s, or the trial ended (step {logged})"
+    cluster.add_host(f"{victim}-new")
+    resumed = wait_until(lambda: read_topology(plan)["ranks"][0]["resumed_from_step"], JOB_TIMEOUT_S, 0.2)
+    resumed_s = time.time() - killed_at
+    finish(cluster, job_id)
+
+    ranks = read_topology(plan)["ranks"]
+    ips = node_ips(cluster, read_topology(plan))
+    assert address not in ips and cluster.hosts[f"{victim}-new"].address in ips
+    assert max(registered) <= resumed == ranks[0]["resumed_from_step"] <= logged
+    attempts = train_attempts(cluster, job_id)
+    assert address in [w["node_ip"] for w in attempts[0]] and [w["node_ip"] for w in attempts[-1]] == ips
+    assert_same_trial(plan, three_hosts_reference)
+    print(
+        f"host lost: node marked dead {detected_s:.1f} s after the kill; training resumed from step "
+        f"{resumed} {resumed_s:.1f} s after it; steps recomputed: {logged - resumed} to "
+        f"{logged + EVERY - 1 - resumed} (the kill came between steps {logged} and {logged + EVERY})"
+    )

@@ -1,0 +1,85 @@
+"""`make real-hosts`: a head and 3 worker hosts, each in its own network namespace with its own
+address (tests/helpers/netns_cluster.py); the demo study's digits workload, 2 trials of 3 hosts x
+1 worker, submitted with `ray job submit` from this (the root) namespace; the job's end, where
+the study is, and which address each rank trained on; then everything is torn down. Needs root
+and iproute2."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import yaml
+
+from tests.helpers import netns_cluster
+from tests.helpers.ray_head import BIN, wait_for_job
+
+ROOT = pathlib.Path(".demo/real-hosts").absolute()
+DATA = pathlib.Path(".demo/data").absolute()
+DEMO_STUDY = "studies/digits-demo.yaml"
+
+
+def study() -> dict:
+    """The demo study on 3 hosts x 1 worker: 2 trials, batches divisible by 3 ranks."""
+    raw = yaml.safe_load(open(DEMO_STUDY))
+    raw["name"] = "real-hosts-demo"
+    raw["data"] = {split: str(DATA / split) for split in ("train", "validation", "test")}
+    raw["storage"] = str(ROOT / "studies")
+    raw["scaling"] = {"num_hosts": 3, "workers_per_host": 1}
+    raw["training"].update(batch_size=63, eval_batch_size=252)
+    raw["rounds"] = [{"name": "explore", "num_trials": 2}]
+    return raw
+
+
+def submit(cluster, work: pathlib.Path) -> str:
+    cmd = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", cluster.dashboard]
+    cmd += ["--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
+    out = subprocess.run(cmd, env=cluster.env, capture_output=True, text=True, timeout=120, check=True)
+    return re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+
+
+def where_ranks_ran(cluster, study_dir: pathlib.Path) -> list[str]:
+    ip_of = {n["node_id"]: n["node_ip"] for n in cluster.nodes()}
+    host_of = {h.address: name for name, h in cluster.hosts.items()}
+    lines = []
+    for topology in sorted(study_dir.glob("trials/*/topology.json")):
+        ranks = sorted(json.loads(topology.read_text())["ranks"], key=lambda r: r["world_rank"])
+        where = ", ".join(
+            f"rank {r['world_rank']} on {host_of[ip_of[r['node_id']]]} ({ip_of[r['node_id']]})" for r in ranks
+        )
+        lines.append(f"  {topology.parent.name}: {where}")
+    return lines
+
+
+def main() -> int:
+    reason = netns_cluster.skip_reason()
+    if reason:
+        print(f"make real-hosts: {reason}", file=sys.stderr)
+        return 2
+    if not DATA.exists():
+        subprocess.run([f"{BIN}/playbook", "data", "digits", str(DATA)], check=True)
+    work = ROOT / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    raw = study()
+    (work / "study.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with netns_cluster.netns_cluster(ROOT, ["h1", "h2", "h3"], cpus=2) as cluster:
+        for name, host in cluster.hosts.items():
+            print(f"host {name}: namespace {host.namespace}, address {host.address}", flush=True)
+        print(f"ray job submit --address {cluster.dashboard} --working-dir {work} -- playbook run study.yaml")
+        job_id = submit(cluster, work)
+        state, logs = wait_for_job(cluster.dashboard, job_id, cluster.env, timeout_s=1800)
+        print(logs[-3000:])
+        study_dir = pathlib.Path(raw["storage"]) / raw["name"]
+        print(f"job {job_id}: {state}; the study is at {study_dir}")
+        print("\n".join(where_ranks_ran(cluster, study_dir)))
+    print(f"torn down; read it again with: playbook status {raw['name']} --storage {raw['storage']}")
+    return 0 if state == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    os.environ.pop("RAY_ADDRESS", None)
+    sys.exit(main())
