@@ -131,6 +131,12 @@ def api(cluster, path: str):
         return json.load(r)
 
 
+def job_seconds(cluster, submission_id: str) -> float:
+    """How long the job ran, by the job server's clock."""
+    job = api(cluster, f"/api/jobs/{submission_id}")
+    return (job["end_time"] - job["start_time"]) / 1000
+
+
 def train_attempts(cluster, submission_id: str) -> list[list[dict]]:
     """Ray Train's record of each attempt of the job's run of TRIAL: its workers (world_rank,
     node_rank, node_ip, pid, ...), in attempt order."""
@@ -218,6 +224,7 @@ def test_three_hosts_of_one_worker(cluster, digits_dir, tmp_path, request):
     plan = plan_of(raw)
     assert_hosts_are_namespaces(cluster, job_id, plan, hosts=3, per_host=1)
     assert_same_trial(plan, reference)
+    print(f"3 hosts x 1 worker, {STEPS} steps, uninterrupted: job ran {job_seconds(cluster, job_id):.1f} s")
 
 
 def test_two_hosts_of_two_workers(cluster, digits_dir, tmp_path):
@@ -281,7 +288,7 @@ def training_only_host(cluster, plan: TrialPlan) -> str:
     raise AssertionError(f"every host of ranks 1.. runs a controller: {ips}")
 
 
-def test_a_host_killed_mid_trial_is_replaced_and_the_trial_resumes(
+def test_a_killed_host_is_replaced_and_the_trial_resumes(
     cluster, three_hosts_reference, digits_dir, tmp_path
 ):
     """Every process of a worker host SIGKILLed once a checkpoint is registered (its link
@@ -318,5 +325,6 @@ def test_a_host_killed_mid_trial_is_replaced_and_the_trial_resumes(
     print(
         f"host lost: node marked dead {detected_s:.1f} s after the kill; training resumed from step "
         f"{resumed} {resumed_s:.1f} s after it; steps recomputed: {logged - resumed} to "
-        f"{logged + EVERY - 1 - resumed} (the kill came between steps {logged} and {logged + EVERY})"
+        f"{logged + EVERY - 1 - resumed} (the kill came between steps {logged} and {logged + EVERY}); "
+        f"the job ran {job_seconds(cluster, job_id):.1f} s"
     )

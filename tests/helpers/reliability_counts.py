@@ -25,6 +25,9 @@ FAULT_TESTS = {
     "a host's link down mid-trial (a partition) and back up, on hosts in network namespaces": (
         "tests/cluster/test_partition.py"
     ),
+    "every process of a worker host SIGKILLed mid-trial, replacement added, on hosts in network namespaces": (
+        "tests/cluster/test_real_hosts.py::test_a_killed_host_is_replaced_and_the_trial_resumes"
+    ),
     "a collective whose peer stopped answering times out": "tests/multiprocess/test_collective_timeout.py",
     "a superseded trial attempt's writes refused": "tests/unit/test_attempt_fence.py",
     "crash while a checkpoint is written / copied": "tests/faults/test_fault_checkpoint_commit.py",
