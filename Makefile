@@ -47,7 +47,8 @@ bench: setup
 bench-scale: setup
 	$(PY) -m bench.run --only coordinator_memory
 
-# Only the 1,000-trial study and the 4-node simulated cluster (issue 11; also in `bench`).
+# Only the 1,000-trial study and the 4-node simulated cluster (issue 11; left out of `bench`,
+# whose tables show their last stored figures with their date).
 bench-cluster: setup
 	$(PY) -m bench.run --only cluster
 

@@ -3,9 +3,10 @@
 python -m bench.run [--only NAME ...]   (names: step lm loaders checkpoints trial demo scale tune_memory
                                           cluster coordinator_memory)
 Without --only every suite runs except the long scale runs in LONG (`make bench-scale`
-runs them; `make bench-cluster` is `--only cluster`). Figures not measured in a run are kept
-from the existing results.json; each figure records when it was measured, and the tables
-show that date, so a long run's last stored figure is read with its date.
+runs the coordinator-memory study, `make bench-cluster` is `--only cluster`). Figures not
+measured in a run are kept from the existing results.json; each figure records when it was
+measured, and the tables show that date, so a long run's last stored figure is read with its
+date.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ SUITES = {
     "cluster": "bench.cluster",
     "coordinator_memory": "bench.coordinator_memory",
 }
-LONG = ("coordinator_memory",)
+LONG = ("coordinator_memory", "cluster")
 """Suites that run for longer than `make bench` should take (see docs/scale.md): only by name."""
 
 

@@ -66,7 +66,8 @@ def service_steps_per_s(data_dir: str, storage: str, precision: str = "fp32") ->
 def bare_steps_per_s(data_dir: str) -> float:
     """What one writes by hand: tensors in memory, a permutation per epoch, the usual 5 lines."""
     table = pq.read_table(f"{data_dir}/train")
-    x = torch.from_numpy(table.column("pixels").combine_chunks().flatten().to_numpy().reshape(-1, 1, 8, 8))
+    pixels = table.column("pixels").combine_chunks().flatten().to_numpy().reshape(-1, 1, 8, 8)
+    x = torch.from_numpy(pixels.copy())  # writable (torch warns on a read-only array)
     y = torch.from_numpy(table.column("label").to_numpy())
     torch.manual_seed(0)
     model = workloads.get("digits").build_model(HPARAMS)
