@@ -28,10 +28,10 @@ test: setup
 	$(MAKE) test-cluster
 
 test-fast: setup chromium
-	$(PYTEST) -q -m "not cluster" --timeout 900
+	$(PYTEST) -q -m "not cluster" --timeout 900 --durations=25
 
 test-cluster: setup
-	$(PYTEST) -q -m cluster --timeout 900
+	$(PYTEST) -q -m cluster --timeout 900 --durations=0
 
 # Headless Chromium for the report test: Debian's package, installed only when missing (CI runs as root).
 chromium:
