@@ -61,7 +61,9 @@ def test_a_round_reuses_its_workers_and_each_trial_equals_itself_alone(ray_clust
         (alone_row,) = run_within_timeout(alone_study)
         log, pids, state = runs[i]
         alone_log, alone_pids, alone_state = trial_files(alone_study, alone_row)
-        assert not set(alone_pids) & set(pids)
+        # new processes (not one pid in common could fail by chance: the round's processes have
+        # ended and pids are reused; both ranks' pids again, in order, cannot)
+        assert alone_pids != pids
         assert log == alone_log
         assert [rows[i][k] for k in ("best_step", "best_metric")] == [
             alone_row[k] for k in ("best_step", "best_metric")
