@@ -5,7 +5,6 @@ restore starts from."""
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -164,9 +163,8 @@ def wrap_ddp(model: nn.Module) -> nn.Module:
     every restart would all-reduce another layout than the same step of an uninterrupted run,
     and with 3 or more ranks the float sums of a gradient run in another order (a resumed run
     would not end bitwise equal). `find_unused_parameters=True` is what keeps the buckets (for
-    one extra walk of the autograd graph per step); torch's warning that it found no unused
-    parameter is expected."""
-    warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
+    one extra walk of the autograd graph per step); each rank's process then logs torch's
+    warning, once, that it found no unused parameter."""
     return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=True)
 
 
