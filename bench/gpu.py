@@ -132,6 +132,20 @@ def checkpoint_stall(width: int = 4096) -> dict:
     return {"sync_save_s": statistics.median(sync), "stall_s": statistics.median(stall)}
 
 
+def lm_step_ratios() -> dict:
+    """bench.lm's service loop over a bare loop on the GPU, for a model of realistic size (the
+    CPU bench's tiny model is bound by kernel launches here), in fp32 and bf16."""
+    from bench.lm import Setup, measure
+
+    model = {"depth": 6, "width": 384, "heads": 6}
+    out = {}
+    for precision in ("fp32", "bf16"):
+        setup = Setup(steps=40, batch=64, seq_len=256, hparams=model, precision=precision, device="cuda")
+        raw = measure(setup, repeats=3)
+        out[precision] = {"lm_step_ratio": raw["service_tokens_per_s"] / raw["bare_tokens_per_s"], **raw}
+    return out
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device here; nothing measured (this is not an error)")
@@ -144,6 +158,7 @@ def main() -> int:
     accumulation = service_steps_per_s(steps, batch, width, microbatch_size=batch // 4)
     compiled = service_steps_per_s(steps, batch, width, compile=True)
     stall = checkpoint_stall()
+    lm = lm_step_ratios()
     results = {
         "device": torch.cuda.get_device_name(),
         "gpu_step_ratio": service / fp32,
@@ -160,6 +175,9 @@ def main() -> int:
         "nccl_all_reduce_gb_per_s_1_rank": nccl_all_reduce_gb_per_s(),
         "async_checkpoint_stall_ratio": stall["stall_s"] / stall["sync_save_s"],
         "checkpoint": stall,
+        "lm_step_ratio_fp32": lm["fp32"]["lm_step_ratio"],
+        "lm_step_ratio_bf16": lm["bf16"]["lm_step_ratio"],
+        "lm": lm,
     }
     with open(os.path.join(HERE, "results-gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
