@@ -152,20 +152,21 @@ def build_model(plan: TrialPlan, topo: Topology, workload, device):
     init_params = topology_record.params_sha256(model)
     if tr.compile:  # in place: the module (its state_dict keys, the checkpoint) is the same one
         model.compile(backend=COMPILE_BACKEND)
-    ddp = wrap_ddp(model) if distributed() else model
+    ddp = wrap_ddp(model, device) if distributed() else model
     optimizer = workload_optimizer(tr.optimizer, workload, model, plan.hparams)
     return model, ddp, optimizer, init_params
 
 
-def wrap_ddp(model: nn.Module) -> nn.Module:
-    """DDP whose gradient buckets keep the layout they are built with. By default DDP rebuilds
-    them after its first step, in the order the gradients became ready: the first step after
-    every restart would all-reduce another layout than the same step of an uninterrupted run,
-    and with 3 or more ranks the float sums of a gradient run in another order (a resumed run
-    would not end bitwise equal). `find_unused_parameters=True` is what keeps the buckets (for
-    one extra walk of the autograd graph per step); each rank's process then logs torch's
-    warning, once, that it found no unused parameter."""
-    return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=True)
+def wrap_ddp(model: nn.Module, device) -> nn.Module:
+    """DDP; on CPU, with one gradient bucket per parameter. DDP rebuilds its buckets after its
+    first step, in the order the gradients became ready: the first step after every restart
+    all-reduces another layout than the same step of an uninterrupted run, and with 3 or more
+    ranks the float sums of a gradient run in another order (a resumed run would not end
+    bitwise equal). With a bucket per parameter (a cap of 0 bytes, kept by the rebuild) each
+    gradient is summed alone, the same way in both. One all-reduce per parameter tensor: on GPU,
+    where results are not bitwise anyway, DDP keeps its own buckets."""
+    caps = {"bucket_cap_mb_list": [0]} if torch.device(device).type == "cpu" else {}
+    return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, **caps)
 
 
 def plan_evals(plan: TrialPlan, topo: Topology, train_files) -> EvalPlan:
