@@ -279,11 +279,8 @@ def training_only_host(cluster, plan: TrialPlan) -> str:
     ips = node_ips(cluster, read_topology(plan))
     for ip in ips[1:]:
         name = next(n for n, h in cluster.hosts.items() if h.address == ip)
-        titles = [
-            open(f"/proc/{p}/cmdline").read()
-            for p in netns_cluster.namespace_pids(cluster.hosts[name].namespace)
-        ]
-        if not any("TrainController" in t or "ImplicitFunc" in t or "TuneRun" in t for t in titles):
+        titles = " ".join(process_titles(cluster.hosts[name].namespace))
+        if not any(actor in titles for actor in CONTROL_ACTORS):
             return name
     raise AssertionError(f"every host of ranks 1.. runs a controller: {ips}")
 
@@ -305,9 +302,7 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(
     address = cluster.hosts[victim].address
     killed_at = time.time()
     assert cluster.kill_host(victim)
-    dead = wait_until(
-        lambda: any(n["node_ip"] == address and n["state"] == "DEAD" for n in cluster.nodes()), 60, 0.2
-    )
+    dead = wait_until(lambda: node_state(cluster, address) == "DEAD", 60, 0.2)
     detected_s = time.time() - killed_at
     assert dead and logged < STEPS, f"node not marked dead in 60 s, or the trial ended (step {logged})"
     cluster.add_host(f"{victim}-new")
