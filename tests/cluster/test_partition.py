@@ -14,13 +14,10 @@ import contextlib
 import json
 import os
 import pathlib
-import re
-import subprocess
 import time
 import urllib.request
 
 import pytest
-import yaml
 
 from service.core import storage
 from service.planning.trial import TrialPlan
@@ -28,7 +25,7 @@ from service.study import spec
 from service.trainer import checkpoint, fence
 from service.trainer.topology import Topology
 from tests.helpers import netns_cluster
-from tests.helpers.ray_head import BIN, wait_for_job
+from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
 
@@ -94,16 +91,6 @@ def reference_run(raw: dict, tmp_path) -> tuple[TrialPlan, dict[int, str]]:
 
     folders = run_gloo(reference_rank, 2, tmp_path, raw, str(tmp_path))[0]
     return plan_of(raw), {checkpoint.step_of(d): d for d in folders}
-
-
-def submit(cluster, raw: dict, work: pathlib.Path) -> str:
-    work.mkdir()
-    (work / "study.yaml").write_text(yaml.safe_dump(raw))
-    cmd = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", cluster.dashboard]
-    cmd += ["--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
-    out = subprocess.run(cmd, env=cluster.env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
 
 
 def wait_for(what: str, condition, timeout_s: float, every_s: float = 0.2):
@@ -203,7 +190,7 @@ def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_retu
     raw = study_raw(digits_dir, tmp_path / "storage")
     plan = plan_of(raw)
     with audited_cluster(tmp_path / "netns", audit) as cluster:
-        job_id = submit(cluster, raw, tmp_path / "work")
+        job_id = cluster.submit_study(raw, tmp_path / "work")
         wait_for("registered checkpoint", lambda: CUT_AFTER_STEP in registered_steps(plan), 480)
         registered = max(registered_steps(plan))
         cut = host_of_rank0(cluster, plan)

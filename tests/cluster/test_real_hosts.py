@@ -12,13 +12,10 @@ import contextlib
 import json
 import os
 import pathlib
-import re
-import subprocess
 import time
 import urllib.request
 
 import pytest
-import yaml
 
 from service.data.files import list_files
 from service.planning.trial import TrialPlan
@@ -26,7 +23,7 @@ from service.study import spec
 from service.trainer import checkpoint
 from service.trainer.topology import Topology
 from tests.helpers import netns_cluster
-from tests.helpers.ray_head import BIN, wait_for_job
+from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
 
@@ -104,17 +101,6 @@ def reference_run(raw: dict, tmp_path) -> tuple[TrialPlan, dict[int, str]]:
 
 
 # Submitting a study and reading what it wrote.
-
-
-def submit(cluster, raw: dict, work) -> str:
-    """`ray job submit --no-wait -- playbook run study.yaml` from the root namespace; the job id."""
-    work.mkdir()
-    (work / "study.yaml").write_text(yaml.safe_dump(raw))
-    cmd = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", cluster.dashboard]
-    cmd += ["--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
-    out = subprocess.run(cmd, env=cluster.env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
 
 
 def finish(cluster, job_id: str) -> str:
@@ -217,7 +203,7 @@ def three_hosts_reference(digits_dir, tmp_path_factory):
 
 def test_three_hosts_of_one_worker(cluster, digits_dir, tmp_path, request):
     raw = one_trial_study(digits_dir, tmp_path / "storage", "threehosts", 3, 1, STEPS, EVERY)
-    job_id = submit(cluster, raw, tmp_path / "work")
+    job_id = cluster.submit_study(raw, tmp_path / "work")
     reference = request.getfixturevalue("three_hosts_reference")  # trains while the job does
     logs = finish(cluster, job_id)
     assert f"best trial: {TRIAL}" in logs
@@ -229,7 +215,7 @@ def test_three_hosts_of_one_worker(cluster, digits_dir, tmp_path, request):
 
 def test_two_hosts_of_two_workers(cluster, digits_dir, tmp_path):
     raw = one_trial_study(digits_dir, tmp_path / "storage", "twobytwo", 2, 2, 100, 50)
-    job_id = submit(cluster, raw, tmp_path / "work")
+    job_id = cluster.submit_study(raw, tmp_path / "work")
     reference = reference_run(raw, tmp_path / "ref")  # trains while the job does
     finish(cluster, job_id)
     plan = plan_of(raw)
@@ -294,7 +280,7 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(
     bitwise equal to the uninterrupted reference. Prints what the loss cost."""
     raw = one_trial_study(digits_dir, tmp_path / "storage", "hostlost", 3, 1, STEPS, EVERY)
     plan = plan_of(raw)
-    job_id = submit(cluster, raw, tmp_path / "work")
+    job_id = cluster.submit_study(raw, tmp_path / "work")
     registered = wait_until(lambda: registered_steps(plan), JOB_TIMEOUT_S)
     assert registered, "no checkpoint was registered"
     victim = training_only_host(cluster, plan)

@@ -22,6 +22,7 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -29,6 +30,8 @@ import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
+
+import yaml
 
 from tests.helpers.processes import free_ports
 from tests.helpers.ray_head import (
@@ -157,6 +160,17 @@ class NetnsCluster:
     @property
     def gcs_address(self) -> str:
         return f"{self.head.address}:{self.ports[0]}"
+
+    def submit_study(self, raw: dict, work) -> str:
+        """`ray job submit --no-wait -- playbook run study.yaml` from the root namespace, with
+        `raw` written to `work`/study.yaml (the job's working dir); the job id."""
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "study.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        cmd = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", self.dashboard]
+        cmd += ["--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
+        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
 
     # Network.
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -35,13 +34,6 @@ def study() -> dict:
     return raw
 
 
-def submit(cluster, work: pathlib.Path) -> str:
-    cmd = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", cluster.dashboard]
-    cmd += ["--working-dir", str(work), "--", "playbook", "run", "study.yaml"]
-    out = subprocess.run(cmd, env=cluster.env, capture_output=True, text=True, timeout=120, check=True)
-    return re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
-
-
 def where_ranks_ran(cluster, study_dir: pathlib.Path) -> list[str]:
     ip_of = {n["node_id"]: n["node_ip"] for n in cluster.nodes()}
     host_of = {h.address: name for name, h in cluster.hosts.items()}
@@ -62,15 +54,12 @@ def main() -> int:
         return 2
     if not DATA.exists():
         subprocess.run([f"{BIN}/playbook", "data", "digits", str(DATA)], check=True)
-    work = ROOT / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    raw = study()
-    (work / "study.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    work, raw = ROOT / "work", study()
     with netns_cluster.netns_cluster(ROOT, ["h1", "h2", "h3"], cpus=2) as cluster:
         for name, host in cluster.hosts.items():
             print(f"host {name}: namespace {host.namespace}, address {host.address}", flush=True)
         print(f"ray job submit --address {cluster.dashboard} --working-dir {work} -- playbook run study.yaml")
-        job_id = submit(cluster, work)
+        job_id = cluster.submit_study(raw, work)
         state, logs = wait_for_job(cluster.dashboard, job_id, cluster.env, timeout_s=1800)
         print(logs[-3000:])
         study_dir = pathlib.Path(raw["storage"]) / raw["name"]
