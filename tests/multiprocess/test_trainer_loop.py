@@ -352,7 +352,7 @@ def first_nonfinite_step(plan: TrialPlan) -> int:
             group["lr"] = float(plan.hparams["learning_rate"])
         batch = stream.batch(step)
         loss = workload.loss(model(batch["features"]), batch).mean()
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(loss.item()):
             return step + 1
         optimizer.zero_grad()
         loss.backward()

@@ -101,7 +101,7 @@ def hand_validation_losses(model, digits_dir, precision) -> torch.Tensor:
 def logged_validation_losses(plan, step) -> torch.Tensor:
     """The loop's per-example validation losses at `step` (its predictions file), by example id."""
     rows = pq.read_table(plan.predictions_uri("validation", step)).sort_by("example_id")
-    return torch.from_numpy(rows.column("metric/loss").to_numpy()).double()
+    return torch.tensor(rows.column("metric/loss").to_numpy(), dtype=torch.float64)
 
 
 def assert_weights_close(trained: dict, model, **tol):
