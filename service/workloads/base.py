@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -130,3 +131,16 @@ def no_weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
         {"params": [p for p in params if p.ndim >= 2]},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+
+
+def classification_loss(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy of [batch, classes] logits against `label`."""
+    return F.cross_entropy(outputs, batch["label"], reduction="none")
+
+
+def classification_metrics(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-example `loss` (cross-entropy) and `error` (argmax is not the label)."""
+    return {
+        "loss": classification_loss(outputs, batch),
+        "error": (outputs.argmax(dim=1) != batch["label"]).float(),
+    }

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.workloads.base import Workload
+from service.workloads.base import Workload, classification_loss, classification_metrics
 
 
 class RandomShift(nn.Module):
@@ -82,13 +82,10 @@ class Digits(Workload):
         return labels
 
     def loss(self, outputs, batch):
-        return F.cross_entropy(outputs, batch["label"], reduction="none")
+        return classification_loss(outputs, batch)
 
     def metrics(self, outputs, batch):
-        return {
-            "loss": F.cross_entropy(outputs, batch["label"], reduction="none"),
-            "error": (outputs.argmax(dim=1) != batch["label"]).float(),
-        }
+        return classification_metrics(outputs, batch)
 
 
 class DigitsZero(Digits):

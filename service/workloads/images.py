@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from service.workloads.base import Workload
+from service.workloads.base import Workload, classification_loss, classification_metrics
 
 SIZE, CHANNELS, PAD = 32, 3, 4
 MEAN, STD = 127.5, 64.0
@@ -152,13 +152,10 @@ class Images(Workload):
         return {**batch, "features": crop_and_flip(batch["features"], dy, dx, flip)}
 
     def loss(self, outputs, batch):
-        return F.cross_entropy(outputs, batch["label"], reduction="none")
+        return classification_loss(outputs, batch)
 
     def metrics(self, outputs, batch):
-        return {
-            "loss": F.cross_entropy(outputs, batch["label"], reduction="none"),
-            "error": (outputs.argmax(dim=1) != batch["label"]).float(),
-        }
+        return classification_metrics(outputs, batch)
 
 
 class ImagesDecoded(Images):
