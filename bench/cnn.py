@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from bench.common import figure
+from bench.step import Discard
 from service import workloads
 from service.data.images import write_images
 from service.data.process_input import process_source
@@ -32,19 +33,6 @@ HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "stages": 3, "we
 INPUT = {"workers": "processes", "num_input_workers": 1, "prefetch_batches": 4}
 """One input worker process (`process_source`, as the Ray edge passes it for `input.workers:
 processes`): the step keeps one of the 2 cores."""
-
-
-class Keep:
-    """A Reporter that keeps the eval rows (the loop's own measurement is in them)."""
-
-    def __init__(self):
-        self.rows = []
-
-    def report(self, metrics, checkpoint_dir):
-        self.rows.append(metrics)
-
-    def restore(self):
-        return None
 
 
 def service_run(data_dir: str, storage: str) -> dict:
@@ -68,7 +56,7 @@ def service_run(data_dir: str, storage: str) -> dict:
         }
     )
     plan = TrialPlan(study, f"r-{time.monotonic_ns()}", "r", dict(HPARAMS), STEPS)
-    reporter = Keep()
+    reporter = Discard()
     loop.train(plan, Topology(), reporter, batch_source=process_source(INPUT["num_input_workers"]))
     return reporter.rows[-1]
 

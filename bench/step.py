@@ -26,7 +26,8 @@ HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 
 
 
 class Discard:
-    """A Reporter that keeps nothing (the loop's own measurement is in its report)."""
+    """A Reporter that keeps the eval rows only (no checkpoints; the loop's own measurement is in
+    its rows)."""
 
     def __init__(self):
         self.rows = []
