@@ -3,6 +3,7 @@
 load.py       the study's stored files -> StudyData
 sentences.py  verdicts, divergence and eval-sample bias as plain sentences
 plots.py      the PNG plots (curves, hyperparameter axes, best-step positions, bias)
+isolation_plot.py  the isolation plot: best per scientific value, with its seed repeats
 html.py       the page
 """
 

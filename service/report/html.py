@@ -39,6 +39,7 @@ details.tag p { position: absolute; left: 0; top: 1.4em; z-index: 2; width: min(
                 padding: 6px 8px; white-space: normal; background: #fff; color: #222;
                 border: 1px solid #999; box-shadow: 0 2px 6px rgba(0, 0, 0, 0.2); }
 img { max-width: 100%; height: auto; display: block; margin: 0.5em 0 1.5em; }
+p.caption { margin: -1em 0 1.5em; max-width: 60em; font-size: 0.9em; }
 code { background: #f4f4f4; padding: 1px 3px; overflow-wrap: anywhere; }
 """
 
@@ -187,10 +188,13 @@ def sentences_html(sentences: list[Sentence]) -> str:
 
 
 def page(
-    data: StudyData, best_row: dict | None, plots: list[tuple[str, str]], sentences: list[Sentence]
+    data: StudyData, best_row: dict | None, plots: list[tuple[str, str, str]], sentences: list[Sentence]
 ) -> str:
     best = best_row["trial_name"] if best_row else None
-    images = "".join(f'<h3>{_e(t)}</h3><img alt="{_e(t)}" src="{uri}">' for t, uri in plots)
+    images = "".join(
+        f'<h3>{_e(t)}</h3><img alt="{_e(t)}" src="{uri}">' + (f'<p class="caption">{_e(c)}</p>' if c else "")
+        for t, uri, c in plots
+    )
     return (
         '<!DOCTYPE html><html><head><meta charset="utf-8">'
         f"<title>study {_e(data.study.name)}</title><style>{STYLE}</style></head><body>"

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from service.analysis.verdicts import EARLY_FRACTION, LATE_FRACTION
 from service.core.ranking import best_result
 from service.core.trial_status import TrialStatus
+from service.report.isolation_plot import isolation_figure
 from service.report.load import StudyData
 
 BEST_COLOR, TRIAL_COLOR, DIVERGED_COLOR = "#d62728", "#1f77b4", "#7f7f7f"
@@ -196,13 +197,15 @@ def sample_bias(data: StudyData) -> Figure | None:
     return fig
 
 
-def all_plots(data: StudyData) -> list[tuple[str, str]]:
-    """(title, PNG data URI) of every plot that has data."""
+def all_plots(data: StudyData) -> list[tuple[str, str, str]]:
+    """(title, PNG data URI, caption or "") of every plot that has data."""
+    isolation = isolation_figure(data) or (None, "")
     figures = [
-        ("training loss", curves(data, "train/loss", "training loss per trial")),
-        (data.metric, curves(data, data.metric, f"{data.metric} per trial")),
-        ("hyperparameter axes", hparam_axes(data)),
-        ("best-step positions", best_step_positions(data)),
-        ("eval-sample bias", sample_bias(data)),
+        ("training loss", curves(data, "train/loss", "training loss per trial"), ""),
+        (data.metric, curves(data, data.metric, f"{data.metric} per trial"), ""),
+        ("isolation plot", *isolation),
+        ("hyperparameter axes", hparam_axes(data), ""),
+        ("best-step positions", best_step_positions(data), ""),
+        ("eval-sample bias", sample_bias(data), ""),
     ]
-    return [(title, png_data_uri(fig)) for title, fig in figures if fig is not None]
+    return [(title, png_data_uri(fig), caption) for title, fig, caption in figures if fig is not None]
