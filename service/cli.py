@@ -1,4 +1,5 @@
-"""`playbook`: run | validate | status | report | studies | eval | find-steps | data | demo."""
+"""`playbook`: run | validate | status | report | studies | eval | find-steps | find-batch-size |
+data | demo."""
 
 from __future__ import annotations
 
@@ -85,6 +86,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("study_file")
     c.add_argument("--storage", help="override the study file's storage URI")
     c.set_defaults(func=cmd_find_steps)
+
+    c = sub.add_parser("find-batch-size", help="probe per-worker batch sizes for the largest that pays")
+    c.add_argument("study_file")
+    c.add_argument("--min", type=int, default=8, help="smallest per-worker size, a power of 2 (default 8)")
+    c.add_argument("--max", type=int, default=1024, help="largest per-worker size, power of 2 (default 1024)")
+    c.add_argument("--steps", type=int, default=20, help="steps timed per block (default 20)")
+    c.add_argument("--min-gain", type=float, help="fraction of examples/s a doubling must add (0.1)")
+    c.add_argument("--out", help="the table's JSON (default: <study>/batch_size.json; .txt beside it)")
+    c.set_defaults(func=cmd_find_batch_size)
 
     c = sub.add_parser("data", help="write a built-in dataset as parquet shards")
     c.add_argument("dataset", choices=sorted(DATASETS))
@@ -320,6 +330,24 @@ def cmd_find_steps(args) -> int:
     storage.write_json(sweep.layout.find_steps, dataclasses.asdict(found))
     print(found.message, file=sys.stdout if found.ok else sys.stderr)
     return 0 if found.ok else 1
+
+
+def cmd_find_batch_size(args) -> int:
+    from service import workloads
+    from service.analysis.batch_size import probe_sizes
+    from service.orchestration.batch_probe_task import check_options, find_batch_size
+    from service.study.checks import check_data, check_storage
+    from service.trainer.batch_probe import probe_study
+
+    study = load_study(args.study_file)
+    sizes = probe_sizes(args.min, args.max, study)
+    min_gain = check_options(args.steps, args.min_gain)
+    check_data(study)
+    check_storage(study)
+    connect_ray(workloads.import_path(args.study_file))
+    check_cluster(probe_study(study, sizes[0]))  # one worker's resources
+    find_batch_size(study, sizes, args.steps, args.out, min_gain)
+    return 0
 
 
 def cmd_eval(args) -> int:

@@ -12,6 +12,7 @@ through the same layout, so a name here never changes.
         provenance.json, uncommitted.diff where the code came from
         data_provenance.json              the training data's preprocess record
         find_steps.json                   `playbook find-steps`' answer
+        batch_size.json, batch_size.txt   `playbook find-batch-size`' table and reading
         report.html                       `playbook report`'s page (by default)
         tune/<run>/                       Ray Tune's storage, one folder per Tune run
         evals/                            Ray Train's storage for `playbook eval` runs
@@ -136,6 +137,14 @@ class StudyLayout:
     @property
     def find_steps(self) -> str:
         return storage.join(self.uri, "find_steps.json")
+
+    @property
+    def batch_size(self) -> str:
+        return storage.join(self.uri, "batch_size.json")
+
+    @property
+    def batch_size_table(self) -> str:
+        return storage.join(self.uri, "batch_size.txt")
 
     @property
     def report(self) -> str:
