@@ -9,13 +9,12 @@ study file's `curves:` section (`service.study.sections.Curves`):
 * `late_noise` -- high step-to-step variance late in training (it blurs the comparison of
   trials at their best checkpoints);
 * `still_improving` -- the metric still improved over the last part of training: train longer;
-* `saturated_early` -- metric and training loss both flat long before the end: steps wasted;
+* `saturated_early` -- metric and training loss both flat long before the end: steps wasted
+  (not said of a trial whose best step is in the last 25%: `best_step_position` says "train
+  longer" there);
 * `training_loss_rising` -- the training loss ends well above its lowest value;
-* `early_instability` -- a training-loss spike (or a divergence) early in training: the
-  playbook's early-training instability, cured by warmup ("warmup length ... transfers");
-* `clipping` -- from the logged gradient norms (`train/grad_norm`, `train/clipped_fraction`,
-  written when `grad_clip_norm` is set): the 90th percentile of the norms as a clipping
-  threshold, and a warning when more than half of the updates were clipped.
+* `early_instability` and `clipping` -- the optimization failures
+  (`service.analysis.optimization`).
 
 Per round (`round_verdicts`): one verdict per kind that fired, naming its trials (the best
 ranked first) with the evidence of the first; the best trial's clipping threshold; or one ok
@@ -30,17 +29,23 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.verdicts import OK, WARNING, Verdict, as_number, make_verdict, percent, trial_count
+from service.analysis.optimization import clip_threshold, clipping, early_instability
+from service.analysis.verdicts import (
+    OK,
+    WARNING,
+    Verdict,
+    as_number,
+    make_verdict,
+    percent,
+    step_position,
+    trial_count,
+)
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
 from service.core.trial_status import TrialStatus
 from service.study.sections import Curves
 
-TRAIN_LOSS, GRAD_NORM, CLIPPED = "train/loss", "train/grad_norm", "train/clipped_fraction"
-CLIP_PERCENTILE = 90
-"""The suggested clipping threshold: this percentile of the logged gradient norms."""
-CLIPPED_MAJORITY = 0.5
-"""More than this fraction of the updates clipped: the clip sets the step size."""
+TRAIN_LOSS = "train/loss"
 KINDS = (
     "overfitting", "late_noise", "still_improving", "saturated_early", "training_loss_rising",
     "early_instability", "clipping",
@@ -213,6 +218,14 @@ def still_improving(t: TrialCurves, th: Curves) -> Verdict | None:
     )
 
 
+def best_step(t: TrialCurves) -> int:
+    """The trial's best step: its row's `best_step` (the retrospective best checkpoint that
+    `best_step_position` reads), else the metric's best evaluation (the latest at its best
+    value, as the trainer picks it: `ranking.best_row`)."""
+    step = as_number(t.row.get("best_step"))
+    return int(step) if step is not None else t.metric.steps[t.metric.best_index()]
+
+
 def saturation_step(curve: Curve, th: Curves) -> int | None:
     """The first step at which `curve` is within `saturation_tolerance` of its improvement of
     its best value (None for a curve that never improved)."""
@@ -224,11 +237,15 @@ def saturation_step(curve: Curve, th: Curves) -> int | None:
 
 def saturated_early(t: TrialCurves, th: Curves) -> Verdict | None:
     """The metric and the training loss (when logged) were both within `saturation_tolerance`
-    of their best by `saturated_by` x max_train_steps."""
+    of their best by `saturated_by` x max_train_steps, and the trial's best step is not in the
+    last 25% of training: there `best_step_position` says "train longer" (the playbook: in
+    doubt, train longer), so "fewer steps would do" is not said of the same trial."""
     curves = [c for c in (t.metric, t.train) if c.values]
     steps = [saturation_step(c, th) for c in curves]
     limit = th.saturated_by * t.max_train_steps
     if not curves or any(s is None or s > limit for s in steps):
+        return None
+    if step_position(best_step(t), t.max_train_steps) == "late":
         return None
     said = ", ".join(f"{c.key} by step {s}" for c, s in zip(curves, steps, strict=True))
     return make_verdict(
@@ -265,97 +282,6 @@ def training_loss_rising(t: TrialCurves, th: Curves) -> Verdict | None:
         low_value=c.values[low],
         last_step=c.steps[last],
         last_value=c.values[last],
-    )
-
-
-# ----------------------------------------------------------------------------- optimization
-
-
-def early_instability(t: TrialCurves, th: Curves) -> Verdict | None:
-    """In the first `early_fraction` x max_train_steps steps: a divergence, or the first
-    evaluation whose training loss is above `spike_ratio` times the lowest before it."""
-    window = th.early_fraction * t.max_train_steps
-    advice = "early instability; a learning-rate warmup (or a longer one) usually cures it."
-    where = f"in the first {percent(th.early_fraction)} of its {t.max_train_steps} steps"
-    diverged_at = as_number(t.row.get("diverged_at_step"))
-    if t.row.get("status") == TrialStatus.DIVERGED and diverged_at is not None and diverged_at <= window:
-        message = f"{t.name} diverged at step {int(diverged_at)}, {where}: {advice}"
-        return make_verdict(
-            "early_instability", t.name, WARNING, message, trial_name=t.name, step=int(diverged_at)
-        )
-    c = t.train
-    for i in range(1, len(c.values)):
-        if c.steps[i] > window:
-            break
-        low = int(np.argmin(c.values[:i]))
-        if c.values[low] > 0 and c.values[i] > th.spike_ratio * c.values[low]:
-            return make_verdict(
-                "early_instability",
-                t.name,
-                WARNING,
-                f"{t.name}'s training loss spiked {where}: {c.at(i)} against {c.at(low)} "
-                f"({fmt(c.values[i] / c.values[low])} times): {advice}",
-                trial_name=t.name,
-                step=c.steps[i],
-                value=c.values[i],
-                low_step=c.steps[low],
-                low_value=c.values[low],
-            )
-    return None
-
-
-def clipped_updates(history: Sequence[Mapping[str, Any]]) -> tuple[float, int]:
-    """(updates clipped, updates) over the evaluations that logged a clipped fraction: each
-    eval row's fraction times the steps of its interval (since the previous row)."""
-    clipped, updates, previous = 0.0, 0, 0
-    for h in history:
-        step, fraction = as_number(h.get("step")), as_number(h.get(CLIPPED))
-        if step is None:
-            continue
-        if fraction is not None:
-            clipped += fraction * (step - previous)
-            updates += int(step - previous)
-        previous = int(step)
-    return clipped, updates
-
-
-def clipping(t: TrialCurves, th: Curves | None = None) -> Verdict | None:
-    """The 90th percentile of the logged gradient norms (each an eval interval's mean norm
-    before clipping; numpy's linear interpolation) as the suggested `grad_clip_norm`; a
-    warning when more than half of the updates were clipped. None without logged norms."""
-    norms = Curve.of(t.history, GRAD_NORM).values
-    if not norms:
-        return None
-    p90 = float(np.percentile(norms, CLIP_PERCENTILE))
-    clipped, updates = clipped_updates(t.history)
-    share = clipped / updates if updates else 0.0
-    severity = WARNING if share > CLIPPED_MAJORITY else OK
-    return make_verdict(
-        "clipping",
-        t.name,
-        severity,
-        _clip_message(t.name, p90, clipped, updates),
-        trial_name=t.name,
-        suggested_clip=p90,
-        clipped_share=share,
-        clipped_updates=clipped,
-        updates=updates,
-        num_norms=len(norms),
-    )
-
-
-def _clip_message(name: str, p90: float, clipped: float, updates: int) -> str:
-    share = clipped / updates if updates else 0.0
-    said = f"{percent(share)} of its updates were clipped ({round(clipped)} of {updates})"
-    if share > CLIPPED_MAJORITY:
-        return (
-            f"{name}: {said}, more than half: the clip, not the gradient, sets the step size; raise "
-            f"grad_clip_norm towards {fmt(p90)} (the 90th percentile of its logged gradient norms) or "
-            "lower the learning rate."
-        )
-    return (
-        f"{name}: the 90th percentile of its logged gradient norms (eval-interval means, before clipping) "
-        f"is {fmt(p90)}, the clipping threshold to try; {said}."
     )
 
 
@@ -404,7 +330,7 @@ def round_verdicts(
         out.append(_all_clear(len(judged)))
     best_clip = next((v for v in found.get(ranked[0], []) if v.kind == "clipping"), None) if ranked else None
     if best_clip is not None:
-        out.append(_clip_threshold(best_clip))
+        out.append(clip_threshold(best_clip))
     return out
 
 
@@ -439,17 +365,4 @@ def _all_clear(judged: int) -> Verdict:
         f"The training curves of the {trial_count(judged)} show no overfitting, late noise, late "
         "improvement, early saturation, rising training loss, early instability or mostly clipped updates.",
         num_trials=judged,
-    )
-
-
-def _clip_threshold(v: Verdict) -> Verdict:
-    facts = v.facts
-    return make_verdict(
-        "clip_threshold",
-        "study",
-        OK,
-        f"Suggested grad_clip_norm: {fmt(facts['suggested_clip'])}, the 90th percentile of the best trial "
-        f"{v.subject}'s {facts['num_norms']} logged gradient norms (eval-interval means, before clipping).",
-        trial_name=v.subject,
-        suggested_clip=facts["suggested_clip"],
     )

@@ -202,7 +202,7 @@ def _position(step: Fraction, total: Fraction) -> str:
     return "late" if step > LATE_FRACTION * total else "middle"
 
 
-def _where(step: Any, total: Any) -> str | None:
+def step_position(step: Any, total: Any) -> str | None:
     """`early`, `late` or `middle` by the rule of `best_step_position`; None without numbers."""
     step, total = as_number(step), as_number(total)
     if step is None or total is None or total <= 0:
@@ -237,7 +237,9 @@ def best_step_distribution(
     max_train_steps)) comes after the first 10% of its training cannot show an early best
     step; the message says so. No such results: None.
     """
-    ranked = [r for r in ranked_results(rows, mode) if _where(r.get("best_step"), r.get("max_train_steps"))]
+    ranked = [
+        r for r in ranked_results(rows, mode) if step_position(r.get("best_step"), r.get("max_train_steps"))
+    ]
     if not ranked:
         return None
     (n, early, late), (k, top_early, top_late) = (
@@ -275,7 +277,7 @@ def best_step_distribution(
 
 def _places(rows: list[Mapping[str, Any]]) -> tuple[int, int, int]:
     """How many `rows`, and how many of them have their best step early and late."""
-    places = [_where(r["best_step"], r["max_train_steps"]) for r in rows]
+    places = [step_position(r["best_step"], r["max_train_steps"]) for r in rows]
     return len(rows), places.count("early"), places.count("late")
 
 

@@ -208,10 +208,10 @@ def interval_row(ctx: TrialContext, progress: Progress) -> tuple[dict, float | N
 
 
 def clip_fields(ctx: TrialContext, norm_total: float, clipped: float, norms: float, steps: int) -> dict:
-    """With grad_clip_norm: the interval's mean finite gradient norm before clipping and the
-    fraction of its steps that were clipped (sums over ranks, whose norms are equal, over ranks x
-    steps; an fp16 step whose gradients overflowed has no finite norm and is not clipped)."""
-    if ctx.clip_norm is None or not steps:
+    """The interval's mean finite gradient norm before clipping and the fraction of its steps
+    that were clipped (0 without grad_clip_norm; sums over ranks, whose norms are equal, over
+    ranks x steps; an fp16 step whose gradients overflowed has no finite norm and is not clipped)."""
+    if not steps:
         return {}
     n = steps * ctx.topo.world_size
     return {

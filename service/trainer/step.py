@@ -1,10 +1,12 @@
 """4. One training step: the schedule's learning rate, the next batch, forward and backward over
 its microbatches (`training.microbatch_size`, DDP all-reducing once, after the last one) under
-the trial's precision, clipping, the update. Nothing is read back to the host inside the step."""
+the trial's precision, the gradients' global norm (and clipping), the update. Nothing is read
+back to the host inside the step."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 
@@ -85,9 +87,15 @@ def microbatch_shares(workload, batch: Batch, parts: list[Batch]) -> list:
 
 
 def update(ctx: TrialContext) -> None:
-    """Clip (after DDP's all-reduce, the gradients unscaled first under fp16) and step."""
-    if ctx.clip_norm is not None:  # the gradients are all-reduced: the same global norm on every rank
-        ctx.precision.unscale(ctx.optimizer)
+    """The gradients' global norm to the tally (after DDP's all-reduce, so the same on every
+    rank; unscaled first under fp16, as the scaler's step would), clipped to `grad_clip_norm`
+    when it is set, then the step. Without clipping the norm is still taken (the clipping
+    verdict suggests a threshold from it) and nothing is clipped."""
+    ctx.precision.unscale(ctx.optimizer)
+    if ctx.clip_norm is None:
+        grads = [p.grad for p in ctx.model.parameters() if p.grad is not None]
+        ctx.tally.add_grad_norm(torch.nn.utils.get_total_norm(grads), math.inf)
+    else:
         norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_norm)
         ctx.tally.add_grad_norm(norm, ctx.clip_norm)
     ctx.precision.step(ctx.optimizer)

@@ -14,14 +14,14 @@ def distributed() -> bool:
 
 
 class StepTally:
-    """An interval's training-loss sum and count (finite losses), its first non-finite step and,
-    with gradient clipping, the sum of the gradients' finite global norms (before clipping), the
-    number of steps clipped and the number of finite norms (fp16's scaler skips the update of a
-    step whose gradients overflowed: its norm is left out). A step only keeps its loss (and
-    norm) as a device tensor: it reads nothing back to the host, so the step never waits for
-    the device (the playbook: no accidental host syncs in the input pipeline's way), and does
-    no arithmetic. `take()` sums them at an eval point, reads the sums in one transfer, and
-    starts the next interval."""
+    """An interval's training-loss sum and count (finite losses), its first non-finite step, the
+    sum of the gradients' finite global norms (before clipping; every step's, clipped or not),
+    the number of steps clipped (none without `grad_clip_norm`) and the number of finite norms
+    (fp16's scaler skips the update of a step whose gradients overflowed: its norm is left out).
+    A step only keeps its loss and norm as device tensors: it reads nothing back to the host, so
+    the step never waits for the device (the playbook: no accidental host syncs in the input
+    pipeline's way), and does no arithmetic. `take()` sums them at an eval point, reads the sums
+    in one transfer, and starts the next interval."""
 
     def __init__(self, device):
         self.device = device
@@ -39,7 +39,8 @@ class StepTally:
         self.steps.append(step)
 
     def add_grad_norm(self, norm: torch.Tensor, max_norm: float) -> None:
-        """A step's global gradient norm before clipping; clipped when it exceeds `max_norm`."""
+        """A step's global gradient norm before clipping; clipped when it exceeds `max_norm`
+        (inf without clipping)."""
         self.norms.append(norm.detach())
         self.max_norm = max_norm
 

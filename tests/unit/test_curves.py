@@ -14,6 +14,7 @@ import pytest
 
 from service.analysis import curves
 from service.analysis.report_lines import round_verdicts
+from service.analysis.verdicts import best_step_position
 from service.core.errors import SpecError
 from service.study import spec
 from service.study.sections import Curves
@@ -106,9 +107,10 @@ def test_a_noisy_tail_warns_with_the_spread_of_its_changes():
     assert "late_noise" not in verdicts(history(NOISY, FALLING), th=Curves(noise_ratio=0.25))
 
 
-SATURATED = [1.0, 0.3, 0.201, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]
+SATURATED = [1.0, 0.3, 0.201, 0.2, 0.2005, 0.201, 0.2008, 0.2007, 0.2009, 0.201]
 SATURATED_TRAIN = [1.0, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
-"""Within 2% of the improvement (0.016 and 0.018) of their best at step 30, of 100."""
+"""Within 2% of the improvement (0.016 and 0.018) of their best at step 30, of 100; the
+metric's best (0.2) at step 40, in the middle of training."""
 
 
 def test_a_saturated_curve_says_steps_were_wasted():
@@ -121,6 +123,41 @@ def test_a_saturated_curve_says_steps_were_wasted():
     assert "saturated_early" not in verdicts(
         history(SATURATED, SATURATED_TRAIN), th=Curves(saturated_by=0.25)
     )
+
+
+def test_a_flat_curve_whose_best_step_is_late_is_not_saturated_early():
+    """best_step_position reads a best step in the last 25% as "train longer" (the playbook: in
+    doubt, train longer); saturated_early ("fewer steps would do") is not said of that trial."""
+    late_best = SATURATED[:-1] + [0.199]  # best 0.199 at step 100; within 2% of it from step 30
+    assert "saturated_early" not in verdicts(history(late_best, SATURATED_TRAIN))
+    # the row's best step (the retrospective best checkpoint) is the one read
+    assert "saturated_early" not in verdicts(history(SATURATED, SATURATED_TRAIN), row(best_step=80))
+    assert "saturated_early" in verdicts(history(SATURATED, SATURATED_TRAIN), row(best_step=75))
+    # an exact plateau: the trainer's best step is the latest at the best value (step 100)
+    plateau = [1.0, 0.3, 0.201] + [0.2] * 7
+    assert "saturated_early" not in verdicts(history(plateau, SATURATED_TRAIN))
+
+
+DEMO_BEST = [0.4148, 0.1741, 0.0889, 0.0481, 0.0222, 0.0185, 0.0222, 0.0222, 0.0148, 0.0185]
+DEMO_TRAIN = [1.7746, 0.3716, 0.1256, 0.0848, 0.0482, 0.0364, 0.0231, 0.0206, 0.0193, 0.02]
+"""`make demo`'s best round-1 trial (validation/error every 30 of 300 steps): best 0.0148 at
+step 270, in the last 25%; 0.0222 at step 150 is within 2% of the improvement 0.4 (0.008) of
+it, and the training loss there within 0.035 of its low: the curve verdict said "saturated
+early" while best_step_position said "train longer"."""
+
+
+def test_the_demos_best_trial_gets_one_reading_train_longer():
+    steps = list(range(30, 301, 30))
+    h = history(DEMO_BEST, DEMO_TRAIN, steps=steps, key="validation/error")
+    r = row("explore-0004", total=300, best_step=270, best_metric=0.0148)
+    found = verdicts(h, r, metric="validation/error")
+    assert best_step_position("explore-0004", 270, 300).facts["position"] == "late"
+    assert "saturated_early" not in found and not any(v.is_warning for v in found.values())
+    # the same curve with its best checkpoint at step 150 (the middle) is saturated early
+    moved = DEMO_BEST[:4] + [0.0148] + DEMO_BEST[5:8] + [0.0222, 0.0185]
+    h = history(moved, DEMO_TRAIN, steps=steps, key="validation/error")
+    found = verdicts(h, r | {"best_step": 150}, metric="validation/error")
+    assert found["saturated_early"].facts["saturation_steps"] == (150, 150)
 
 
 def test_a_rising_training_loss_names_its_lowest_step():
@@ -171,6 +208,20 @@ def test_clipping_suggests_the_90th_percentile_and_warns_past_half_clipped():
     assert (v.facts["clipped_updates"], v.facts["updates"]) == (65, 100) and v.is_warning
     half = verdicts(clip_history([0.5] * 10))["clipping"]
     assert half.facts["clipped_share"] == 0.5 and not half.is_warning  # half is not more than half
+
+
+def test_an_unclipped_trial_gets_a_suggested_threshold_and_the_round_its_best():
+    """Without grad_clip_norm the loop logs the norms with clipped fraction 0: the verdict
+    suggests the 90th percentile (norms 1..10: 9.1) for a trial that does not clip, ok."""
+    h = clip_history([0.0] * 10)
+    v = verdicts(h)["clipping"]
+    assert v.facts["suggested_clip"] == pytest.approx(9.1) and v.facts["grad_clip_norm"] is None
+    assert not v.is_warning and "trains without gradient clipping" in v.message and "9.1" in v.message
+    clipped = verdicts(h, row(**{"hp/grad_clip_norm": 5.0}))["clipping"]
+    assert clipped.facts["grad_clip_norm"] == 5.0 and "0% of its updates were clipped" in clipped.message
+    out = curves.round_verdicts([row(best_metric=0.5)], {"t-0": h}, "validation/loss", "min", TH)
+    (tip,) = [x for x in out if x.kind == "clip_threshold"]
+    assert tip.facts == {"trial_name": "t-0", "suggested_clip": pytest.approx(9.1)}
 
 
 def test_clipped_share_weighs_each_interval_by_its_steps():

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from service.analysis import curves
 from service.core.errors import SpecError
 from service.study import spec
+from service.study.sections import Curves
 from service.trainer import checkpoint
 from service.trainer.loop import build_optimizer, train
 from service.trainer.topology import Topology
 from tests.helpers.studies import MINIMAL_STUDY
-from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan, plain_loop_parts
+from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan, plain_loop_parts, read_log
 
 CLIP = 0.37
 STEPS, EVERY = 12, 4
@@ -77,15 +79,28 @@ def test_the_loop_clips_as_a_plain_loop_with_clipping_by_hand(digits_dir, tmp_pa
     assert any(not torch.allclose(trained[k], unclipped[k], rtol=1e-3) for k in unclipped)
 
 
-def test_without_grad_clip_norm_nothing_is_clipped_or_reported(digits_dir, tmp_path):
+def test_without_grad_clip_norm_nothing_is_clipped_and_the_norms_are_still_reported(digits_dir, tmp_path):
+    """The clipping verdict's threshold needs the norms of a trial that does not clip: each
+    interval's mean is the plain loop's (numpy, float64), and its clipped fraction 0."""
     plan = clipped_plan(digits_dir, tmp_path / "s", None)
     reporter = Reporter(tmp_path)
     train(plan, Topology(), reporter)
-    expected, _ = hand_clipped_run(plan, None)
+    expected, norms = hand_clipped_run(plan, None)
     trained = checkpoint.load(reporter.reports[-1][1]).model
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
-    assert not any("grad_norm" in k or "clipped" in k for m in reporter.metrics for k in m)
+    assert len(reporter.metrics) == STEPS // EVERY
+    means = [np.mean(norms[lo : lo + EVERY]) for lo in range(0, STEPS, EVERY)]
+    for m, mean in zip(reporter.metrics, means, strict=True):
+        assert m["train/grad_norm"] == pytest.approx(mean, rel=1e-4)
+        assert m["train/clipped_fraction"] == 0.0
+    # the clipping verdict, read from the trial's metrics log, suggests a threshold for it
+    row = {"trial_name": "r1-0", "status": "FINISHED", "max_train_steps": STEPS}
+    metric, mode = plan.study.training.metric, plan.study.training.mode
+    found = {v.kind: v for v in curves.trial_verdicts(row, read_log(plan), metric, mode, Curves())}
+    assert found["clipping"].facts["suggested_clip"] == pytest.approx(np.percentile(means, 90), rel=1e-4)
+    assert found["clipping"].facts["clipped_share"] == 0.0 and not found["clipping"].is_warning
+    assert "without gradient clipping" in found["clipping"].message
 
 
 def study_with(**search):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -61,7 +62,7 @@ def hand_run(plan, precision="fp32", micro=None, clip=None, init_scale=2.0**16):
     """The trial's updates as a plain loop: autocast and GradScaler written out, the batch cut
     into microbatches by hand, each microbatch's mean loss divided by their number, the
     gradients unscaled before clipping. Returns the model, the scaler (fp16) or None, and each
-    step's gradient norm before clipping (with `clip`)."""
+    step's gradient norm before clipping."""
     workload, model, optimizer, stream = plain_loop_parts(plan)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if precision == "fp16" else None
     norms = []
@@ -74,10 +75,13 @@ def hand_run(plan, precision="fp32", micro=None, clip=None, init_scale=2.0**16):
             with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision != "fp32"):
                 loss = F.cross_entropy(model(part["features"]), part["label"]) / len(parts)
             (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         if clip is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        else:  # the global norm in float64 with numpy (inf when the fp16 gradients overflowed)
+            grads = [p.grad.double().numpy() for p in model.parameters() if p.grad is not None]
+            norms.append(float(np.sqrt(sum((g**2).sum() for g in grads))))
         if scaler is None:
             optimizer.step()
         else:
@@ -169,6 +173,21 @@ def test_fp16_clips_the_unscaled_gradients(digits_dir, tmp_path, monkeypatch):
         finite = [n for n in norms[lo : lo + EVERY] if math.isfinite(n)]
         assert m["train/grad_norm"] == pytest.approx(sum(finite) / len(finite), rel=1e-5)
         assert m["train/clipped_fraction"] == sum(n > 0.37 for n in finite) / EVERY
+
+
+def test_fp16_without_clipping_reports_the_norms_of_the_updates_it_made(digits_dir, tmp_path, monkeypatch):
+    """Without grad_clip_norm the loop still reports the unscaled gradients' norm: the mean of
+    the finite ones (the overflowed updates skipped), nothing clipped."""
+    monkeypatch.setattr(amp, "INIT_SCALE", 2.0**22)
+    plan = plan_with(digits_dir, tmp_path / "s", precision="fp16")
+    reporter = run(plan, tmp_path)
+    model, _, norms = hand_run(plan, "fp16", init_scale=2.0**22)
+    assert_weights_close(final_state(reporter).model, model, rtol=1e-5, atol=1e-6)
+    assert not all(math.isfinite(n) for n in norms)  # the scaler skipped an overflowed update
+    for m, lo in zip(reporter.metrics, range(0, STEPS, EVERY), strict=True):
+        finite = [n for n in norms[lo : lo + EVERY] if math.isfinite(n)]
+        assert m["train/grad_norm"] == pytest.approx(sum(finite) / len(finite), rel=1e-5)
+        assert m["train/clipped_fraction"] == 0.0
 
 
 OPTIONS = {
