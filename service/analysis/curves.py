@@ -341,17 +341,17 @@ def _has_curves(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]] | N
 
 
 def _kind_summary(kind: str, hits: list[Verdict], judged: int, best: str | None) -> Verdict:
+    """How many of the round's trials `kind` names, which (the round's best marked), and the
+    first one's evidence. The kind itself is not in the message: the log line and the report
+    show it beside the message (`round r: saturated_early: 1 of 6 trials: ...`)."""
     names = [v.subject for v in hits]
-    shown = ", ".join(names[:NAMES_SHOWN]) + (
-        f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
-    )
-    best_note = f" (the best trial, {best}, among them)" if best in names else ""
+    shown = ", ".join(f"{n} (the best trial)" if n == best else n for n in names[:NAMES_SHOWN])
+    more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
     return make_verdict(
         kind,
         "study",
         WARNING,
-        f"{kind.replace('_', ' ').capitalize()} in {len(hits)} of {trial_count(judged)}: {shown}{best_note}. "
-        f"{hits[0].message}",
+        f"{len(hits)} of {trial_count(judged)}: {shown}{more}. {hits[0].message}",
         trials=tuple(names),
         num_trials=judged,
     )

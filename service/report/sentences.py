@@ -10,11 +10,15 @@ from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 
+STUDY = "study"
+"""The section of the sentences about all the study's trials (divergences, eval-sample bias):
+the kind says which, so a line reads `study: divergence: ...`, not the kind twice."""
+
 
 @dataclass(frozen=True)
 class Sentence:
     section: str
-    """What it is about: `round <name>`, `divergence`, `eval-sample bias`."""
+    """Where it applies: `round <name>` or `study` (all trials)."""
     kind: str
     severity: str
     """`ok` or `warning`."""
@@ -37,7 +41,7 @@ def verdict_sentences(data: StudyData) -> list[Sentence]:
 def divergence_sentences(data: StudyData) -> list[Sentence]:
     diverged = [r for r in data.rows if r.get("status") == TrialStatus.DIVERGED]
     if not diverged:
-        return [Sentence("divergence", "divergence", "ok", f"No trial diverged ({len(data.rows)} trials).")]
+        return [Sentence(STUDY, "divergence", "ok", f"No trial diverged ({len(data.rows)} trials).")]
     out = []
     for r in diverged:
         hps = ", ".join(
@@ -47,7 +51,7 @@ def divergence_sentences(data: StudyData) -> list[Sentence]:
         at = r.get("diverged_at_step")
         out.append(
             Sentence(
-                "divergence",
+                STUDY,
                 "divergence",
                 "warning",
                 f"Trial {r['trial_name']} diverged (non-finite training loss)"
@@ -73,7 +77,7 @@ def bias_sentences(data: StudyData) -> list[Sentence]:
         return []
     out = [
         Sentence(
-            "eval-sample bias",
+            STUDY,
             "eval_sample_bias",
             "warning",
             f"Trial {t}: at step {h['step']} the validation sample's {data.metric} differs from the "
@@ -86,7 +90,7 @@ def bias_sentences(data: StudyData) -> list[Sentence]:
     if not biased:
         out.append(
             Sentence(
-                "eval-sample bias",
+                STUDY,
                 "eval_sample_bias",
                 "ok",
                 f"The validation sample agreed with the full validation set within sampling noise "

@@ -160,7 +160,7 @@ def test_report_renders_in_headless_chromium(tracked_study, tmp_path, capsys):
             line.startswith(row["trial_name"]) and f"{row['best_metric']:.4g}" in line
             for line in printed.splitlines()
         )
-    assert "eval-sample bias" in printed
+    assert re.search(r"^study: (WARNING )?eval_sample_bias: ", printed, re.M)
 
     page = check_page(str(out))
     assert page.console_errors == []

@@ -248,7 +248,9 @@ def test_round_verdicts_name_the_trials_and_the_best_one():
     # ranked by best metric: r-1 (0.19) first, then r-2
     assert out["still_improving"].facts["trials"] == ("r-1", "r-2")
     assert out["still_improving"].facts["num_trials"] == 3
-    assert "the best trial, r-1, among them" in out["still_improving"].message
+    assert out["still_improving"].message.startswith("2 of 3 trials: r-1 (the best trial), r-2. r-1 is")
+    for v in out.values():  # the log line and the report show the kind beside the message: once
+        assert v.message.lower().count(v.kind.replace("_", " ")) <= 1, v.message
     assert out["clip_threshold"].facts == {"trial_name": "r-1", "suggested_clip": pytest.approx(9.1)}
     clean = curves.round_verdicts(
         rows[2:3], {"r-2": history(FALLING[:5] + [0.3] * 5, FALLING)}, "validation/loss", "min", TH

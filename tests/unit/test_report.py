@@ -57,6 +57,22 @@ def test_sentences_render_any_verdict_kind_and_divergence(stored):
     assert "waited for input 60%" in page and '<tr class=best><td data-v="explore-0001">explore-0001<' in page
 
 
+def test_the_report_names_a_divergence_once(stored, tmp_path, capsys):
+    """`playbook report` prints `section: [WARNING ]kind: text`; the divergences are about the
+    whole study: `study: WARNING divergence: ...` (it printed `divergence: WARNING divergence:`),
+    and the page shows them under a `study` heading with one `divergence` tag."""
+    out = tmp_path / "report.html"
+    assert cli.main(["report", stored.study_uri, "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (div,) = [line for line in lines if "divergence" in line]
+    assert div == (
+        "study: WARNING divergence: Trial explore-0002 diverged (non-finite training loss) at step 13 "
+        "with learning_rate=0.45, momentum=0.93."
+    )
+    page = out.read_text()
+    assert page.count(">divergence<") == 1 and "<h3>study</h3>" in page
+
+
 def test_hparam_axes_draw_the_bounds_on_a_log_axis(stored):
     fig = plots.hparam_axes(report.load(stored.study_uri))
     lr_ax, momentum_ax = fig.axes
