@@ -11,7 +11,7 @@ import math
 
 from matplotlib.figure import Figure
 
-from service.analysis.isolation import Series, isolation
+from service.analysis.isolation import Point, Series, isolation
 from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
@@ -84,19 +84,23 @@ def _series(ax, s: Series, hp: HParam, shift: float, color: str, categorical: bo
     if not pts:
         return
     ax.plot([x for x, _ in pts], [p.best_metric for _, p in pts], marker="o", markersize=8,
-            linewidth=1, color=color, label=f"{s.round}: best over the nuisance hyperparameters")  # fmt: skip
-    labelled = False
-    for x, p in pts:
-        if p.repeats is None or not p.repeats.values:
-            continue
-        rx = x + (REPEAT_SHIFT if categorical else 0.0)
-        label = None if labelled else f"{p.repeats.round}: seed repeats (dots), mean ± std"
-        ax.scatter([rx] * p.repeats.n, p.repeats.values, s=22, facecolors="none", edgecolors=color,
-                   zorder=3, label=label)  # fmt: skip
-        std = p.repeats.std if p.repeats.n > 1 else 0.0
-        ax.errorbar([rx], [p.repeats.mean], yerr=[std], fmt="_", markersize=14, capsize=5,
-                    color=color, zorder=4)  # fmt: skip
-        labelled = True
+            linewidth=1, color=color, label=f"{s.round}: best trial per value")  # fmt: skip
+    _repeats(ax, [(x + (REPEAT_SHIFT if categorical else 0.0), p) for x, p in pts], color)
+
+
+def _repeats(ax, pts: list[tuple[float, Point]], color: str) -> None:
+    """Each repeat as a hollow dot at x; the repeats' mean as a tick with their standard
+    deviation as the error bar (none with one repeat)."""
+    reps = [(x, p.repeats) for x, p in pts if p.repeats is not None and p.repeats.values]
+    if not reps:
+        return
+    xs = [x for x, r in reps for _ in r.values]
+    label = f"{reps[0][1].round}: seed repeats (dots), mean ± std"
+    ax.scatter(xs, [v for _, r in reps for v in r.values], s=22, facecolors="none", edgecolors=color,
+               zorder=3, label=label)  # fmt: skip
+    std = [r.std if r.n > 1 else 0.0 for _, r in reps]
+    ax.errorbar([x for x, _ in reps], [r.mean for _, r in reps], yerr=std, fmt="_", markersize=14,
+                capsize=5, color=color, zorder=4)  # fmt: skip
 
 
 def _diverged_values(ax, series: list[Series], hp: HParam, categorical: bool) -> None:
@@ -118,12 +122,16 @@ def _diverged_values(ax, series: list[Series], hp: HParam, categorical: bool) ->
 def caption(data: StudyData, panels: dict[str, list[Series]]) -> str:
     """What the plot shows, from which rounds, the repeats drawn and the diverged trials."""
     nuisance = [k for k, hp in data.study.search.items() if hp.role == "nuisance"]
-    over = f"over the nuisance hyperparameters ({', '.join(nuisance)})" if nuisance else "(no nuisance ones)"
+    over = (
+        f"over the nuisance hyperparameters ({', '.join(nuisance)})"
+        if nuisance
+        else "(the study has no nuisance hyperparameter)"
+    )
     better = "lower" if data.mode == "min" else "higher"
     rounds = list(dict.fromkeys(s.round for series in panels.values() for s in series))
     text = (
         f"Isolation plot of {', '.join(panels)}: each marker is the best {data.metric} ({better} is "
-        f"better) among one round's finished trials with that value, {over}; "
+        f"better) among one round's finished trials with that value {over}; "
         f"round{'s' if len(rounds) > 1 else ''} {', '.join(rounds)}."
     )
     return " ".join(t for t in (text, _repeats_text(panels), _diverged_text(data.rows)) if t)

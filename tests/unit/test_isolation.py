@@ -126,8 +126,9 @@ def test_the_figure_draws_the_bests_the_repeats_and_the_all_diverged_value(study
     r1_line, r2_line = (line for line in ax.lines if line.get_marker() == "o")
     assert list(r1_line.get_ydata()) == [0.25, 0.40, 0.50] and list(r2_line.get_ydata()) == [0.20]
     assert list(r1_line.get_xdata()) == pytest.approx([-0.1, 0.9, 1.9])  # r1 left of r2 in each value
-    dots = [c for c in ax.collections if c.get_label().startswith("rep: seed repeats")]
-    assert sorted(y for _, y in dots[0].get_offsets()) == sorted(REPEATS_OF_4)
+    (dots,) = [c for c in ax.collections if c.get_label() == "rep: seed repeats (dots), mean ± std"]
+    got = [(round(float(x), 6), float(y)) for x, y in dots.get_offsets()]  # right of r1's markers
+    assert got == [(-0.03, v) for v in REPEATS_OF_4] + [(0.97, 0.41)]
     mean, std = by_hand_mean_std(REPEATS_OF_4)
     bars = [c for c in ax.collections if type(c).__name__ == "LineCollection"]
     spans = sorted(tuple(sorted(seg[:, 1])) for c in bars for seg in c.get_segments())
@@ -136,7 +137,7 @@ def test_the_figure_draws_the_bests_the_repeats_and_the_all_diverged_value(study
     assert [x for x, _ in crosses[0].get_offsets()] == [1.1]  # width 8, where r2's only trial diverged
     assert caption.startswith(
         "Isolation plot of width: each marker is the best validation/loss (lower is better) among one "
-        "round's finished trials with that value, over the nuisance hyperparameters (learning_rate); "
+        "round's finished trials with that value over the nuisance hyperparameters (learning_rate); "
         "rounds r1, r2."
     )
     assert "(round rep; width=4: 3 of r1-0001; width=8: 1 of r1-0003)" in caption
