@@ -80,10 +80,9 @@ def find_batch_size(
     json_uri = storage.absolute(out) if out else study.layout.batch_size
     table_uri = study.layout.batch_size_table if not out else json_uri.removesuffix(".json") + ".txt"
     storage.write_json(json_uri, record(study, rows, reading, steps, min_gain))
-    storage.write_bytes_atomic(table_uri, "\n".join([*lines, "", reading.message, ""]).encode())
-    for line in lines:
-        print(line)
-    print(reading.message)
+    text = "\n".join([*lines, "", reading.message, ""])
+    storage.write_bytes_atomic(table_uri, text.encode())
+    print(text, end="")
     print(f"table: {table_uri} (json: {json_uri})")
     return reading
 
