@@ -87,7 +87,10 @@ def isolation(study: Study, rows: list[Mapping[str, Any]]) -> dict[str, list[Ser
     has a row with a value for it (in the study's round order)."""
     repeat_rounds = {r.name for r in study.rounds if r.kind == "repeat"}
     rows = list(rows)
-    repeats = [r for r in rows if r.get("round") in repeat_rounds]
+    repeats: dict[str, list[Mapping]] = {}  # the repeat rounds' rows by the trial they rerun
+    for r in sorted(rows, key=lambda r: str(r.get("trial_name"))):
+        if r.get("round") in repeat_rounds and r.get("repeat_of") is not None:
+            repeats.setdefault(r["repeat_of"], []).append(r)
     out: dict[str, list[Series]] = {}
     for name, hp in study.search.items():
         if hp.role != "scientific":
@@ -104,7 +107,7 @@ def isolation(study: Study, rows: list[Mapping[str, Any]]) -> dict[str, list[Ser
 
 
 def round_series(
-    round_name: str, name: str, hp: HParam, rows: list[Mapping], repeats: list[Mapping], mode: str
+    round_name: str, name: str, hp: HParam, rows: list[Mapping], repeats: Mapping[str, list], mode: str
 ) -> Series:
     """One round's point for each value of `name` its rows have."""
     groups: dict[Any, list[Mapping]] = {}
@@ -114,7 +117,7 @@ def round_series(
     return Series(round_name, tuple(sorted(points, key=lambda p: value_order(hp, p.value))))
 
 
-def point(value: Any, rows: list[Mapping], repeats: list[Mapping], mode: str) -> Point:
+def point(value: Any, rows: list[Mapping], repeats: Mapping[str, list], mode: str) -> Point:
     ranked = ranked_results(rows, mode)
     diverged = sum(r.get("status") == TrialStatus.DIVERGED for r in rows)
     if not ranked:
@@ -126,13 +129,12 @@ def point(value: Any, rows: list[Mapping], repeats: list[Mapping], mode: str) ->
         best["trial_name"],
         len(ranked),
         diverged,
-        spread_of(best["trial_name"], repeats),
+        spread_of(repeats.get(best["trial_name"], [])),
     )
 
 
-def spread_of(trial_name: str, repeats: list[Mapping]) -> Spread | None:
-    """The repeats of `trial_name` (rows whose `repeat_of` names it); None if it has none."""
-    mine = sorted((r for r in repeats if r.get("repeat_of") == trial_name), key=lambda r: r["trial_name"])
+def spread_of(mine: list[Mapping]) -> Spread | None:
+    """The spread of one trial's repeats (in trial-name order); None if it has none."""
     if not mine:
         return None
     values = tuple(

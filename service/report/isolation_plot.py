@@ -127,6 +127,8 @@ def caption(data: StudyData, panels: dict[str, list[Series]]) -> str:
         if nuisance
         else "(the study has no nuisance hyperparameter)"
     )
+    if len(panels) > 1:
+        over += " and the other scientific one(s)"
     better = "lower" if data.mode == "min" else "higher"
     rounds = list(dict.fromkeys(s.round for series in panels.values() for s in series))
     text = (

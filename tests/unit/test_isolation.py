@@ -110,6 +110,28 @@ def test_max_mode_picks_the_highest_and_numbers_sort_ascending(digits_dir, tmp_p
     ]
 
 
+def test_two_scientific_hyperparameters_each_a_plot_whose_spread_is_of_the_marker_trial_alone(
+    digits_dir, tmp_path
+):
+    """The repeat round reruns the best of each (width, depth): width 4's marker is (4, 2)'s
+    best, and its spread is of that configuration's repeats, not (4, 1)'s as well."""
+    search = {**SEARCH, "depth": {"role": "scientific", "type": "choice", "values": [1, 2]}}
+    study = make_study(digits_dir, tmp_path, search=search, rounds=ROUNDS)
+    cells = {"r1-0000": (4, 1, 0.3), "r1-0001": (4, 2, 0.2), "r1-0002": (8, 1, 0.5), "r1-0003": (8, 2, 0.4)}
+    rows = [row(n, w, m, **{"hp/depth": d}) for n, (w, d, m) in cells.items()]
+    reps = [("r1-0001", 0.21), ("r1-0001", 0.23), ("r1-0000", 0.31), ("r1-0000", 0.33)]
+    rows += [row(f"rep-000{i}", cells[of][0], m, repeat_of=of, **{"hp/depth": cells[of][1]}) for i, (of, m) in
+             enumerate(reps)]  # fmt: skip
+    got = {
+        name: [(p.value, p.best_metric, p.trial_name, p.repeats and p.repeats.values) for p in r1.points]
+        for name, (r1,) in isolation(study, rows).items()
+    }
+    assert got == {
+        "width": [(4, 0.2, "r1-0001", (0.21, 0.23)), (8, 0.4, "r1-0003", None)],
+        "depth": [(1, 0.3, "r1-0000", (0.31, 0.33)), (2, 0.2, "r1-0001", (0.21, 0.23))],
+    }
+
+
 def test_no_scientific_hyperparameter_no_plot(digits_dir, tmp_path):
     study = make_study(digits_dir, tmp_path)  # learning_rate, momentum nuisance; width fixed
     assert isolation(study, [row("explore-0000", 4, 0.3)]) == {}
