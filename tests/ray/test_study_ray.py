@@ -331,6 +331,61 @@ def test_curve_verdicts_of_each_round_match_its_metrics_logs(finished_study):
         assert ("training_curves" in saved) == (not any(k in saved for k in KINDS))
 
 
+def plain_curve_kinds(log: list[dict], total: int, best_step: int) -> set[str]:
+    """The late_noise, saturated_early, training_loss_rising and early_instability rules of
+    docs/verdicts.md (default thresholds) read with numpy from one finished trial's log."""
+    steps = np.array([h["step"] for h in log])
+    val, train = (np.array([h[k] for h in log]) for k in ("validation/loss", "train/loss"))
+    tail, kinds = steps > 0.75 * total, set()
+    for c in (val, train):
+        gain = c[0] - c.min()
+        if tail.sum() >= 3 and gain > 0 and np.std(np.diff(c[tail]), ddof=1) > 0.1 * gain:
+            kinds.add("late_noise")
+    flat_by = [steps[np.argmax(c <= c.min() + 0.02 * (c[0] - c.min()))] for c in (val, train)]
+    if (
+        all(c[0] > c.min() for c in (val, train))
+        and max(flat_by) <= 0.5 * total
+        and best_step <= 0.75 * total
+    ):
+        kinds.add("saturated_early")
+    low = int(np.argmin(train))
+    if low < len(train) - 1 and train[-1] - train[low] > 0.1 * (train[0] - train[low]):
+        kinds.add("training_loss_rising")
+    if any(steps[i] <= 0.2 * total and train[i] > 1.5 * train[:i].min() for i in range(1, len(train))):
+        kinds.add("early_instability")
+    return kinds
+
+
+def test_the_other_curve_verdicts_and_the_clip_threshold_of_a_real_study(finished_study):
+    """The rest of the curve verdicts name exactly the trials `plain_curve_kinds` finds in their
+    metrics logs (none diverged), and each round's clip_threshold is the numpy 90th percentile
+    of its best trial's logged gradient norms: these trials do not clip, and the loop logs the
+    norms all the same (clipped fraction 0)."""
+    from service.core.formatting import fmt
+
+    study, explore, exploit = finished_study
+    with open(os.path.join(study.study_uri, "verdicts.json")) as f:
+        summaries = json.load(f)
+    for summary, rows in zip(summaries, (explore, exploit), strict=True):
+        saved = {v["kind"]: v["message"] for v in summary["verdicts"]}
+        logs = {r["trial_name"]: metrics_log(study, r["trial_name"]) for r in rows}
+        found = {
+            r["trial_name"]: plain_curve_kinds(logs[r["trial_name"]], r["max_train_steps"], r["best_step"])
+            for r in rows
+        }
+        for kind in ("late_noise", "saturated_early", "training_loss_rising", "early_instability"):
+            names = [n for n, kinds in found.items() if kind in kinds]
+            assert (kind in saved) == bool(names), (kind, names, saved.get(kind))
+            assert all(name in saved.get(kind, "") for name in names)
+        best = min(rows, key=lambda r: (r["best_metric"], r["trial_name"]))["trial_name"]
+        norms = [h["train/grad_norm"] for h in logs[best]]
+        assert all(h["train/clipped_fraction"] == 0 for h in logs[best]) and all(n > 0 for n in norms)
+        assert saved["clip_threshold"].startswith(
+            f"Suggested grad_clip_norm: {fmt(float(np.percentile(norms, 90)))}, the 90th percentile of "
+            f"the best trial {best}'s {len(norms)} logged"
+        )
+
+
 def test_the_report_of_a_real_study_tags_each_trial_with_its_curve_verdicts(finished_study, tmp_path):
     """In headless Chromium at 1280 px: the real study's report fits the width, and each trial's
     row carries a 'still improving' tag exactly when the round's saved verdict names it."""
