@@ -71,9 +71,9 @@ def test_out_of_memory_after_32():
 
 
 def test_the_gain_threshold_is_inclusive_and_can_be_set():
-    rows = table(s8=100.0, s16=110.0, s32=120.0)  # +10%, then +9.1%
-    assert read(rows, study()).per_worker_batch == 16
-    assert read(rows, study(), min_gain=0.05).per_worker_batch == 32
+    rows = table(s8=4.0, s16=5.0, s32=6.0)  # +25% (exactly, in binary floating point), then +20%
+    assert read(rows, study(), min_gain=0.25).per_worker_batch == 16
+    assert read(rows, study()).per_worker_batch == 32
     assert read(rows, study(), min_gain=0.5).per_worker_batch == 8
 
 
