@@ -3,9 +3,17 @@ Plain functions and constants the tests share live in tests/helpers/."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from service.data.builtin import write_digits
+
+# Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default:
+# 2 s), and a worker's report waits for that poll once the one before it is still unread: every
+# evaluation of a multi-worker trial cost up to 2 s of idle time. Set here, in the environment of
+# this process, every Ray node, driver and `playbook` process the tests start (docs/partitions.md).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 @pytest.fixture(scope="session")
