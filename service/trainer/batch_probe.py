@@ -3,7 +3,7 @@
 The probe builds the study's model, optimizer, precision and compile setting through the same
 `setup.set_up` a trial uses, reads the study's real training data through the same prefetching
 stream (reading is part of what a trial pays for a step), runs a few warmup steps (compilation,
-allocator and cache warm-up) and times the next ones with `step.train_step`. It trains one
+allocator and cache warm-up), then times blocks of steps of `step.train_step`. It trains one
 worker alone: no all-reduce, no other rank to wait for.
 
 What the probe changes in the study, and why:
@@ -56,8 +56,8 @@ class SizeResult:
 
     per_worker_batch: int
     fits: bool
-    examples_per_s: float | None = None  # per worker, over the timed steps
-    step_s: float | None = None  # mean wall-clock seconds per timed step
+    examples_per_s: float | None = None  # one worker's, in the median timed block
+    step_s: float | None = None  # wall-clock seconds per step in the median timed block
     peak_memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated; None on CPU
     input_wait_fraction: float | None = None  # of the timed steps' time, spent waiting for a batch
     error: str | None = None  # why it does not fit (the allocator's message, first line)
