@@ -129,7 +129,8 @@ def trial_curves(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], m
 
 def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
     """The metric ends worse than its best by more than `overfit_rise` of its improvement, and
-    the training loss at the end is lower than at the metric's best step."""
+    the training loss at the end is lower than at the metric's best step. "Or fewer steps"
+    only for an onset before the last 25% (`_or_fewer_steps`)."""
     m, train = t.metric, dict(zip(t.train.steps, t.train.values, strict=True))
     if len(m.values) < 2 or m.improvement <= 0:
         return None
@@ -147,7 +148,7 @@ def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
         f"{t.name} overfits from step {m.steps[b]}: {m.key} is best there ({fmt(m.values[b])}) and ends at "
         f"{m.at(last)}, giving back {percent(rise / m.improvement)} of its improvement, while {TRAIN_LOSS} "
         f"still fell from {fmt(loss_then)} to {fmt(loss_end)}: more regularization or data augmentation "
-        "(or fewer steps) would help.",
+        f"{_or_fewer_steps(m.steps[b], t.max_train_steps)}would help.",
         trial_name=t.name,
         onset_step=m.steps[b],
         best_value=m.values[b],
@@ -156,6 +157,12 @@ def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
         train_loss_at_onset=loss_then,
         train_loss_last=loss_end,
     )
+
+
+def _or_fewer_steps(onset: int, max_train_steps: int) -> str:
+    """Fewer steps are advised only for an onset before the last 25% of training: a later best
+    step is `best_step_position`'s "train longer", and the best checkpoint is kept anyway."""
+    return "" if step_position(onset, max_train_steps) == "late" else "(or fewer steps) "
 
 
 def late_noise(t: TrialCurves, th: Curves) -> Verdict | None:

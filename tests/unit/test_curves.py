@@ -50,6 +50,17 @@ def test_overfitting_names_its_onset_step_and_the_evidence():
     assert "overfits from step 50" in v.message and "22.7%" in v.message
 
 
+def test_overfitting_advises_fewer_steps_only_before_the_last_quarter():
+    """Onset at step 50: "(or fewer steps)"; onset at step 80, in the last 25%, where
+    best_step_position says "train longer": regularization only, and still_improving agrees."""
+    assert "(or fewer steps)" in verdicts(history(OVERFIT, FALLING))["overfitting"].message
+    late = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.25, 0.3]  # best 0.2 at step 80, ends 0.1 worse
+    found = verdicts(history(late, FALLING))
+    assert found["overfitting"].facts["onset_step"] == 80 and "still_improving" in found
+    assert "fewer steps" not in found["overfitting"].message
+    assert found["overfitting"].message.endswith("more regularization or data augmentation would help.")
+
+
 def test_overfitting_starts_where_the_curve_leaves_its_best_plateau():
     plateau = [1.0, 0.6, 0.4, 0.3, 0.25, 0.25, 0.3, 0.34, 0.38, 0.42]  # best at steps 50 and 60
     assert verdicts(history(plateau, FALLING))["overfitting"].facts["onset_step"] == 60
