@@ -28,7 +28,8 @@ import numpy as np
 
 from service.core.ranking import is_finite, ranked_results
 from service.core.trial_status import TrialStatus
-from service.study.spec import HParam, Study
+from service.study.search import HParam
+from service.study.spec import Study
 
 
 @dataclass(frozen=True)

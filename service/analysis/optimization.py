@@ -22,8 +22,8 @@ import numpy as np
 from service.analysis.verdicts import OK, WARNING, Verdict, as_number, make_verdict, percent
 from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
+from service.study.search import CLIP_HPARAM
 from service.study.sections import Curves
-from service.study.spec import CLIP_HPARAM
 
 if TYPE_CHECKING:
     from service.analysis.curves import TrialCurves

@@ -21,7 +21,7 @@ from typing import Any
 
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
-from service.study.spec import HParam
+from service.study.search import HParam
 
 
 def best_per_scientific(

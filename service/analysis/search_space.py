@@ -36,7 +36,7 @@ from service.core import ranking
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
 from service.core.trial_status import TrialStatus
-from service.study.spec import HParam
+from service.study.search import HParam
 
 # ----------------------------------------------------------------------------- boundary
 

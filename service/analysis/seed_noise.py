@@ -14,7 +14,7 @@ import numpy as np
 
 from service.core.formatting import fmt
 from service.core.ranking import results, sign
-from service.study.spec import HParam
+from service.study.search import HParam
 
 ALPHA = 0.05
 

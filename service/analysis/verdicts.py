@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
-from service.study.spec import HParam
+from service.study.search import HParam
 
 Severity = Literal["ok", "warning"]
 OK: Severity = "ok"

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from service.evaluation.bias import fixed_sample, sample_gap
-from service.study.spec import Training
+from service.study.training import Training
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from ray.tune.search.optuna import OptunaSearch
 from service.core.trial_status import TrialStatus
 from service.orchestration.ray_private import optuna_trial_of
 from service.planning import bayesian
-from service.study.spec import Round, Study
+from service.study.search import Round
+from service.study.spec import Study
 
 
 class PlaybookOptunaSearch(OptunaSearch):

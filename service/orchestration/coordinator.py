@@ -22,7 +22,8 @@ from service.planning import bayesian
 from service.planning.rounds import plan_round, row_fields
 from service.study import spec
 from service.study.checks import trial_footprint
-from service.study.spec import Round, Study
+from service.study.search import Round
+from service.study.spec import Study
 from service.tracking import observe
 from service.tracking.progress import ProgressLimiter
 from service.tracking.trial_events import TrialEvents

@@ -18,7 +18,8 @@ from ray.tune.logger import JsonLoggerCallback
 from service.core import storage
 from service.core.trial_status import TrialStatus
 from service.study.layout import StudyLayout
-from service.study.spec import Round, Study
+from service.study.search import Round
+from service.study.spec import Study
 
 # A Ray Train trial's Tune trial only drives its worker group, whose workers reserve the CPUs
 # and GPUs. Tune needs every trial to reserve something, so it reserves a token of memory and

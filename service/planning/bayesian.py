@@ -21,7 +21,8 @@ from service.core import ranking
 from service.core.errors import PlaybookError
 from service.core.trial_status import TrialStatus
 from service.planning import rounds, schedules
-from service.study.spec import HParam, Round, Study
+from service.study.search import HParam, Round
+from service.study.spec import Study
 
 DIVERGED = "diverged"
 """The constraint a diverged trial violates (its value 1; 0 for every other trial)."""

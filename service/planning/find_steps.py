@@ -20,7 +20,9 @@ from typing import Any
 from service import workloads
 from service.core.errors import SpecError
 from service.core.trial_status import TrialStatus
-from service.study.spec import OPTIMIZER_HPARAMS, HParam, Round, Schedule, Study
+from service.study.search import OPTIMIZER_HPARAMS, HParam, Round
+from service.study.spec import Study
+from service.study.training import Schedule
 
 FIT_METRIC = "train_eval/loss"
 

@@ -10,7 +10,8 @@ from service.core import ranking
 from service.core.errors import PlaybookError
 from service.planning import schedules
 from service.planning.rounds import trial_config
-from service.study.spec import Round, Study
+from service.study.search import Round
+from service.study.spec import Study
 
 
 def best_per_scientific_value(study: Study, rows: list[dict]) -> list[dict]:

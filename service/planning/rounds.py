@@ -18,7 +18,9 @@ from service.core import ranking
 from service.core.errors import PlaybookError
 from service.planning import schedules
 from service.planning.search import quasi_random_configs
-from service.study.spec import Round, Schedule, Study, schedule_from_dict
+from service.study.search import Round
+from service.study.spec import Study, schedule_from_dict
+from service.study.training import Schedule
 
 
 def plan_round(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from service.study.spec import SCHEDULE_HPARAMS, Schedule, schedule_from_dict
+from service.study.search import SCHEDULE_HPARAMS
+from service.study.spec import schedule_from_dict
+from service.study.training import Schedule
 
 ROW_PREFIX = "schedule/"
 """A trial row records its schedule as `schedule/<field>` columns."""

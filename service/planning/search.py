@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.study.spec import HParam, Scalar
+from service.study.search import HParam
+from service.study.strict import Scalar
 
 PRIMES = (
     2,

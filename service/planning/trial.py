@@ -7,7 +7,8 @@ from typing import Any
 
 from service.planning import schedules
 from service.study.layout import TrialLayout
-from service.study.spec import Schedule, Study, schedule_from_dict
+from service.study.spec import Study, schedule_from_dict
+from service.study.training import Schedule
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from service.analysis.isolation import Point, Series, isolation
 from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
-from service.study.spec import HParam
+from service.study.search import HParam
 
 COLUMNS = 2
 """Panels in rows of at most this many, so each stays readable at the page's width."""

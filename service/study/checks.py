@@ -15,7 +15,8 @@ from service import workloads
 from service.core import storage
 from service.core.errors import DataError, SpecError, StorageError
 from service.data.files import check_column_types, check_declared_kinds, list_files
-from service.study.spec import OPTIMIZER_HPARAMS, Study
+from service.study.search import OPTIMIZER_HPARAMS
+from service.study.spec import Study
 
 
 def resolve_paths(study: Study, storage_override: str | None = None) -> Study:
@@ -63,31 +64,7 @@ def check_data(study: Study) -> None:
         if getattr(study.data, split) is None:
             continue
         files = list_files(getattr(study.data, split))
-        reference = None
-        for f in files:
-            fs, path = storage.split(f.uri)
-            with fs.open(path, "rb") as fh:
-                pf = pq.ParquetFile(fh, pre_buffer=False)  # read on this thread: see files.ParquetReader
-                names = pf.schema_arrow.names
-                missing = [c for c in workload.columns if c not in names]
-                if missing:
-                    raise DataError(
-                        f"{f.uri}: missing column {missing[0]!r} needed by workload "
-                        f"{workload.name} (has: {', '.join(names)})"
-                    )
-                check_column_types(f.uri, pf.schema_arrow, workload)
-                types = [pf.schema_arrow.field(c).type for c in workload.columns]
-                if reference is None and f.num_rows:
-                    _check_first_row(f.uri, pf, workload)
-                    reference = (f.uri, types)
-                elif reference is not None and types != reference[1]:
-                    c, t = next(
-                        (c, t)
-                        for c, t, r in zip(workload.columns, types, reference[1], strict=True)
-                        if t != r
-                    )
-                    want = reference[1][list(workload.columns).index(c)]
-                    raise DataError(f"{f.uri}: column {c!r} is {t}, but {want} in {reference[0]}")
+        _check_split_files(files, workload)
         if not sum(f.num_rows for f in files):
             raise DataError(f"{getattr(study.data, split)}: the {split} split has no rows")
         if split == "train" and len(files) < study.scaling.num_hosts:
@@ -96,6 +73,34 @@ def check_data(study: Study) -> None:
                 f"over scaling.num_hosts={study.scaling.num_hosts}"
             )
     check_overlap(study, workload)
+
+
+def _check_split_files(files, workload) -> None:
+    """The columns of each of a split's files: present, of their declared kinds, and of the
+    same types as in the split's first non-empty file (whose first rows are checked)."""
+    reference = None
+    for f in files:
+        fs, path = storage.split(f.uri)
+        with fs.open(path, "rb") as fh:
+            pf = pq.ParquetFile(fh, pre_buffer=False)  # read on this thread: see files.ParquetReader
+            names = pf.schema_arrow.names
+            missing = [c for c in workload.columns if c not in names]
+            if missing:
+                raise DataError(
+                    f"{f.uri}: missing column {missing[0]!r} needed by workload "
+                    f"{workload.name} (has: {', '.join(names)})"
+                )
+            check_column_types(f.uri, pf.schema_arrow, workload)
+            types = [pf.schema_arrow.field(c).type for c in workload.columns]
+            if reference is None and f.num_rows:
+                _check_first_row(f.uri, pf, workload)
+                reference = (f.uri, types)
+            elif reference is not None and types != reference[1]:
+                c, t = next(
+                    (c, t) for c, t, r in zip(workload.columns, types, reference[1], strict=True) if t != r
+                )
+                want = reference[1][list(workload.columns).index(c)]
+                raise DataError(f"{f.uri}: column {c!r} is {t}, but {want} in {reference[0]}")
 
 
 def check_overlap(study: Study, workload) -> None:
@@ -168,6 +173,23 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
     gpus = sum(r.get("GPU", 0) for r in alive)
     if s.use_gpu and not gpus:
         raise SpecError("scaling.use_gpu: true, but the Ray cluster has no GPU")
+    _check_cpus(study, alive)
+    if s.use_gpu and s.world_size > gpus:
+        raise SpecError(
+            f"scaling.workers_per_host: {s.world_size} GPU workers, but the Ray cluster has {gpus:g} GPUs"
+        )
+    hosts = [r for r in alive if r.get("CPU", 0) >= s.cpus_per_worker and (not s.use_gpu or r.get("GPU", 0))]
+    if s.num_hosts > len(hosts):
+        raise SpecError(
+            f"scaling.num_hosts: {s.num_hosts} hosts, but only {len(hosts)} node(s) of the Ray "
+            "cluster can hold a worker"
+        )
+
+
+def _check_cpus(study: Study, alive: list[dict]) -> None:
+    """One trial's CPUs fit: a worker on the largest node, all workers (and their Ray Data input
+    workers) in the cluster."""
+    s = study.scaling
     largest = max((r.get("CPU", 0) for r in alive), default=0)
     if s.cpus_per_worker > largest:
         raise SpecError(
@@ -181,7 +203,6 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
             f"{s.cpus_per_worker:g} CPUs = {s.world_size * s.cpus_per_worker:g} CPUs, but the "
             f"Ray cluster has {total:g}"
         )
-
     need = trial_footprint(study)["CPU"]  # the workers' and their input actors' CPUs
     if need > total + 1e-9:
         inp = study.input
@@ -189,16 +210,6 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
             f"input.num_input_workers: {s.world_size} workers x ({s.cpus_per_worker:g} CPUs + "
             f"{inp.num_input_workers} Ray Data input workers x {inp.cpus_per_input_worker:g} CPUs) = "
             f"{need:g} CPUs, but the Ray cluster has {total:g}"
-        )
-    if s.use_gpu and s.world_size > gpus:
-        raise SpecError(
-            f"scaling.workers_per_host: {s.world_size} GPU workers, but the Ray cluster has {gpus:g} GPUs"
-        )
-    hosts = [r for r in alive if r.get("CPU", 0) >= s.cpus_per_worker and (not s.use_gpu or r.get("GPU", 0))]
-    if s.num_hosts > len(hosts):
-        raise SpecError(
-            f"scaling.num_hosts: {s.num_hosts} hosts, but only {len(hosts)} node(s) of the Ray "
-            "cluster can hold a worker"
         )
 
 

@@ -29,7 +29,8 @@ import torch
 
 from service.planning.find_steps import middle
 from service.planning.trial import TrialPlan
-from service.study.spec import Scaling, Schedule, Study
+from service.study.spec import Study
+from service.study.training import Scaling, Schedule
 from service.trainer.loop import BatchSource, local_batches
 from service.trainer.profiling import StepProfiler
 from service.trainer.setup import Progress, TrialContext, set_up

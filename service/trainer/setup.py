@@ -19,7 +19,8 @@ from service.data.sharding import RowRange, row_ranges, train_shard
 from service.evaluation.sampling import EvalSample, plan_sample, sample_of
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.planning.trial import TrialPlan
-from service.study.spec import CLIP_HPARAM, Training
+from service.study.search import CLIP_HPARAM
+from service.study.training import Training
 from service.trainer import rng, topology_record
 from service.trainer.metrics_log import MetricsLog
 from service.trainer.optimizers import workload_optimizer

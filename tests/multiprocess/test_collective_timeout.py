@@ -12,7 +12,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from service.study.spec import Scaling
+from service.study.training import Scaling
 
 TIMEOUT_S = 3.0
 SLACK_S = 10.0  # process start-up and a shared 2-core machine: the bound is T + this

@@ -20,7 +20,7 @@ from service.core.errors import SpecError
 from service.evaluation import predictions
 from service.planning.trial import TrialPlan
 from service.study import spec
-from service.study.spec import HParam
+from service.study.search import HParam
 from service.trainer.loop import train
 from service.trainer.topology import Topology
 from tests.helpers.gloo import run_gloo

@@ -11,10 +11,10 @@ import math
 import optuna
 import pytest
 
+from service.core.errors import SpecError
 from service.core.trial_status import TrialStatus
 from service.planning import bayesian
 from service.study import spec
-from service.study.spec import SpecError
 from tests.helpers.studies import MINIMAL_STUDY
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from service.analysis import seed_noise
+from service.core.errors import SpecError
 from service.planning.rounds import plan_round
 from service.study import spec
-from service.study.spec import SpecError
 from tests.helpers.studies import MINIMAL_STUDY
 
 

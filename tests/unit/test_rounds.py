@@ -13,7 +13,7 @@ from service.planning import schedules
 from service.planning.rounds import plan_round, row_fields
 from service.planning.schedules import extend, lr_factor
 from service.study import spec
-from service.study.spec import Schedule
+from service.study.training import Schedule
 
 
 def linear_reference(step: int, total: int, warmup: int, decay: int) -> float:

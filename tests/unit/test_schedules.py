@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from service.planning.schedules import lr_factor
-from service.study.spec import Schedule
+from service.study.training import Schedule
 
 
 def reference(kind: str, max_steps: int, warmup: int, decay_steps: int | None, final: float) -> np.ndarray:

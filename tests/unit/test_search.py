@@ -9,7 +9,7 @@ from scipy import stats
 from scipy.stats import qmc
 
 from service.planning.search import quasi_random_configs, scrambled_halton, to_value
-from service.study.spec import HParam
+from service.study.search import HParam
 
 FIRST_PRIMES = [2, 3, 5, 7, 11, 13]
 

@@ -13,6 +13,8 @@ import yaml
 from service.core.errors import SpecError
 from service.study import spec
 from service.study.checks import check_workload
+from service.study.search import HParam, Round
+from service.study.training import Scaling, Schedule
 from tests.helpers.studies import MINIMAL_STUDY as MINIMAL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,15 +70,13 @@ def test_demo_file_loads_with_its_values():
     s = spec.load_file(DEMO)
     assert s.name == "digits-demo" and s.workload == "digits"
     assert s.training.max_train_steps == 300 and s.training.eval_batch_size == 256
-    assert s.training.schedule == spec.Schedule(kind="cosine", warmup_steps=20)
-    assert s.search["learning_rate"] == spec.HParam(
-        role="nuisance", type="float", min=0.003, max=1.0, scale="log"
-    )
+    assert s.training.schedule == Schedule(kind="cosine", warmup_steps=20)
+    assert s.search["learning_rate"] == HParam(role="nuisance", type="float", min=0.003, max=1.0, scale="log")
     assert s.fixed_hparams == {"weight_decay": 0.0005, "width": 16}
     assert list(s.searched_hparams) == ["learning_rate", "momentum"]
     assert s.rounds == (
-        spec.Round(name="explore", num_trials=6),
-        spec.Round(name="exploit", kind="extend", num_trials=1, step_multiplier=2),
+        Round(name="explore", num_trials=6),
+        Round(name="exploit", kind="extend", num_trials=1, step_multiplier=2),
     )
     assert s.round_steps(s.rounds[1]) == 600
     check_workload(s)  # the demo's metric and hyperparameters are known to the digits workload
@@ -84,11 +84,11 @@ def test_demo_file_loads_with_its_values():
 
 def test_defaults_are_applied():
     s = spec.load_dict(copy.deepcopy(MINIMAL))
-    assert s.scaling == spec.Scaling(num_hosts=1, workers_per_host=1, use_gpu=False, cpus_per_worker=1.0)
+    assert s.scaling == Scaling(num_hosts=1, workers_per_host=1, use_gpu=False, cpus_per_worker=1.0)
     assert s.scaling.world_size == 1
     assert s.training.eval_batch_size is None
     assert s.training.resolved_eval_batch_size == 32  # = batch_size
-    assert s.training.schedule == spec.Schedule(
+    assert s.training.schedule == Schedule(
         kind="cosine", warmup_steps=0, decay_steps=None, final_lr_fraction=0.0
     )
     assert (s.training.metric, s.training.mode, s.training.seed) == ("validation/error", "min", 0)
@@ -97,7 +97,7 @@ def test_defaults_are_applied():
     hp = s.search["learning_rate"]
     assert (hp.type, hp.scale, hp.values, hp.value) == ("float", "linear", None, None)
     assert isinstance(hp.max, float) and hp.max == 1.0  # an int bound of a float range becomes a float
-    assert s.rounds[0] == spec.Round(
+    assert s.rounds[0] == Round(
         name="r1", num_trials=4, kind="quasi_random", max_concurrent_trials=0, max_train_steps=None, seed=0
     )
     assert s.study_uri == "./playbook-studies/tiny"

@@ -17,7 +17,7 @@ from service.analysis.verdicts import (
     study_verdicts,
 )
 from service.core.ranking import ranked_results
-from service.study.spec import HParam
+from service.study.search import HParam
 
 LR_LOG = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="log")
 LR_LINEAR = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="linear")

@@ -1,0 +1,225 @@
+"""The checks of a Study across its sections (each section checks its own fields in its
+`errors()`): the study's name, round names and sources, hyperparameters the trainer would not
+read, schedule lengths every round leaves room for, batch sizes that split over the workers,
+ghost batch norm's virtual batches and microbatches. Each yields (dotted path, message)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from service.study.search import CLIP_HPARAM, NAME_RE, READ_BY_OPTIMIZERS, SCHEDULE_HPARAMS, HParam
+from service.study.training import Schedule, Training
+
+if TYPE_CHECKING:
+    from service.study.spec import Study
+
+
+def study_errors(study: Study):
+    """The errors of `study` across its sections (`Study.errors`, run after each section's own)."""
+    if not NAME_RE.match(study.name):
+        yield "name", f"must match {NAME_RE.pattern} (got {study.name!r})"
+    if "learning_rate" not in study.search:
+        yield "search", "must define learning_rate (searched or fixed)"
+    if not study.rounds:
+        yield "rounds", "must list at least one round"
+    earlier = [*_round_errors(study), *_hparam_errors(study)]
+    yield from earlier
+    if not earlier:  # the lengths need well-formed rounds and schedule hyperparameters
+        yield from _schedule_length_errors(study)
+    yield from study.budget.plan_errors(study) if study.budget else ()
+    if study.training.batch_size % study.scaling.world_size:
+        yield (
+            "training.batch_size",
+            (
+                f"must be divisible by num_hosts * workers_per_host "
+                f"({study.training.batch_size} % {study.scaling.world_size} != 0)"
+            ),
+        )
+    if study.training.resolved_eval_batch_size % study.scaling.world_size:
+        yield "training.eval_batch_size", "must be divisible by num_hosts * workers_per_host"
+    if study.training.ghost_batch_norm:
+        yield from _ghost_batch_errors(study.training, study.scaling.world_size)
+    yield from _microbatch_errors(study.training, study.scaling.world_size)
+
+
+def _round_errors(study: Study):
+    names = [r.name for r in study.rounds]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            yield f"rounds[{i}].name", f"duplicate round name {name!r}"
+    for i, r in enumerate(study.rounds):
+        if r.kind == "grid":
+            dims = study.searched_hparams.values()
+            if any(hp.type != "choice" for hp in dims):
+                yield f"rounds[{i}].kind", "grid needs every searched hyperparameter to be a choice"
+            elif r.num_trials != math.prod(len(hp.values) for hp in dims):
+                yield f"rounds[{i}].num_trials", "must equal the number of grid combinations"
+        if r.kind not in ("extend", "bayesian", "repeat"):
+            continue
+        if i == 0:
+            what = "extend another round" if r.kind == "extend" else f"be {r.kind} (it needs a source)"
+            yield f"rounds[{i}].kind", f"the first round cannot {what}"
+        elif r.from_round is not None and r.from_round not in names[:i]:
+            yield f"rounds[{i}].from_round", f"no earlier round named {r.from_round!r}"
+
+
+def _hparam_errors(study: Study):
+    """A hyperparameter the trainer would not read: an optimizer's own one with another
+    optimizer, a schedule field the schedule's kind has no use for (or one also set in
+    training.schedule, which it would override). Schedule fields must be step counts or
+    fractions."""
+    tr, schedule = study.training, study.training.schedule
+    for name, hp in study.search.items():
+        readers = READ_BY_OPTIMIZERS.get(name, (tr.optimizer,))
+        if tr.optimizer not in (*readers, "workload"):
+            yield (
+                f"search.{name}",
+                f"not read by optimizer {tr.optimizer} (only by {', '.join(readers)})",
+            )
+        if name == CLIP_HPARAM:
+            yield from ((f"search.{name}", m) for m in _clip_value_errors(hp))
+        if name not in SCHEDULE_HPARAMS:
+            continue
+        default = getattr(Schedule(), name)
+        if getattr(schedule, name) != default:
+            yield (
+                f"search.{name}",
+                f"also set in training.schedule.{name}, which this would override (set it in one place)",
+            )
+        if schedule.kind not in SCHEDULE_HPARAMS[name]:
+            yield (
+                f"search.{name}",
+                f"not read by a {schedule.kind} schedule (training.schedule.kind; only by "
+                f"{', '.join(SCHEDULE_HPARAMS[name])})",
+            )
+        yield from ((f"search.{name}", m) for m in _schedule_value_errors(name, hp))
+
+
+def _schedule_length_errors(study: Study):
+    """Every round leaves room for the longest warmup (and, linear, warmup + decay) any of
+    its trials can get; an extend round of a linear schedule is at least as long as the
+    trial it extends (the decay phase keeps its length)."""
+    w_field, w = _longest(study, "warmup_steps")
+    d_field, d = _longest(study, "decay_steps")
+    linear = study.training.schedule.kind == "linear"
+    for i, r in enumerate(study.rounds):
+        steps = study.round_steps(r)
+        derived = r.kind == "extend" and r.max_train_steps is None
+        here = f"rounds[{i}].{'step_multiplier' if derived else 'max_train_steps'}"
+        searched = [f for f in (w_field, d_field) if f.startswith("search.")]
+        if w >= steps:
+            yield (
+                w_field if w_field in searched else here,
+                f"the longest warmup ({w}) must be < max_train_steps of round {r.name} ({steps})",
+            )
+        elif linear and d and w + d > steps:
+            yield (
+                (searched or [here])[0],
+                f"warmup + decay_steps (up to {w} + {d}) must be <= max_train_steps of round "
+                f"{r.name} ({steps})",
+            )
+        elif linear and r.kind == "extend" and not d and steps < study.round_steps(study.source_round(r)):
+            yield (
+                here,
+                (
+                    f"round {r.name} ({steps} steps) is shorter than the round it extends "
+                    f"({study.round_steps(study.source_round(r))}), whose linear decay it must keep"
+                ),
+            )
+
+
+def _longest(study: Study, name: str) -> tuple[str, int]:
+    """The largest value of a schedule field any trial can get, and the field that sets it."""
+    hp = study.search.get(name)
+    if hp is None:
+        return f"training.schedule.{name}", getattr(study.training.schedule, name) or 0
+    return f"search.{name}", max(int(v) for v in hp.extremes)
+
+
+def _schedule_value_errors(name: str, hp: HParam):
+    """warmup_steps and decay_steps are step counts (ints, decay > 0); final_lr_fraction is a
+    number in [0, 1]."""
+    if name in ("warmup_steps", "decay_steps"):
+        if hp.searched and hp.type == "float":
+            yield "a step count: must be type int or a choice of integers (type is float)"
+            return
+        values = hp.extremes
+        if any(isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) for v in values):
+            yield f"a step count: every value must be an integer (got {', '.join(map(str, values))})"
+            return
+        low = 1 if name == "decay_steps" else 0
+        if min(values) < low:
+            yield f"must be >= {low} (got {min(values)})"
+        return
+    values = hp.extremes
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
+        yield f"must be a number (got {', '.join(map(str, values))})"
+    elif not all(0 <= v <= 1 for v in values):
+        yield f"a fraction of the base learning rate: must be in [0, 1] (got {', '.join(map(str, values))})"
+
+
+def _clip_value_errors(hp: HParam):
+    """grad_clip_norm is a gradient norm: a number > 0."""
+    values = hp.extremes
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
+        yield f"a gradient norm: must be a number (got {', '.join(map(str, values))})"
+    elif min(values) <= 0:
+        yield f"a gradient norm: must be > 0 (got {min(values)})"
+
+
+def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) -> bool:
+    """Ghost batch norm's rule: statistics over exactly `virtual_batch_size` examples. Each
+    worker's batch is a whole number of virtual batches, or the batches of a group of
+    consecutive workers make one (a group size that divides the number of workers)."""
+    per, v = batch_size // world_size, virtual_batch_size
+    if batch_size % world_size:
+        return False
+    if per >= v:
+        return per % v == 0
+    return v % per == 0 and world_size % (v // per) == 0
+
+
+def _microbatch_errors(training: Training, world: int):
+    """training.microbatch_size must split each worker's batch (and, with ghost batch norm, be
+    split into virtual batches itself)."""
+    micro, per = training.microbatch_size, training.batch_size // world
+    if micro is None or micro <= 0 or training.batch_size % world:
+        return
+    if per % micro:
+        yield (
+            "training.microbatch_size",
+            f"must divide the per-worker batch {per} (batch_size {training.batch_size} over {world} "
+            f"workers; {per} % {micro} != 0)",
+        )
+    elif training.ghost_batch_norm and micro % training.virtual_batch_size:
+        yield (
+            "training.microbatch_size",
+            f"must be a multiple of virtual_batch_size {training.virtual_batch_size} with ghost_batch_norm",
+        )
+
+
+def _ghost_batch_errors(training: Training, world: int):
+    batch_size, v = training.batch_size, training.virtual_batch_size
+    if batch_size % world or ghost_batch_fits(batch_size, world, v):
+        return
+    per = batch_size // world
+    if per > v:
+        why = f"does not divide the per-worker batch of {per}"
+    elif v % per:
+        why = f"is not a whole number of per-worker batches of {per}"
+    else:
+        why = f"needs groups of {v // per} workers' batches of {per}, and {world} workers do not split so"
+    sizes = [x for x in range(1, batch_size + 1) if ghost_batch_fits(batch_size, world, x)]
+    batches = range(world, 2 * max(batch_size, v * world) + 1, world)
+    yield (
+        "training.virtual_batch_size",
+        f"{v} {why} (training.batch_size {batch_size} over {world} workers); nearest that work: "
+        f"virtual_batch_size {_nearest(sizes, v)}, or batch_size "
+        f"{_nearest([b for b in batches if ghost_batch_fits(b, world, v)], batch_size)}",
+    )
+
+
+def _nearest(values: list[int], x: int) -> str:
+    """The largest of `values` below x and the smallest above it."""
+    return " or ".join(str(n) for n in [n for n in values if n < x][-1:] + [n for n in values if n > x][:1])
