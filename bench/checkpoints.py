@@ -2,7 +2,11 @@
 torch.save of the same payload to the same filesystem; async_checkpoint_stall_ratio: how long
 the training loop is blocked by an async save over a sync save of the same state;
 async_stall_vs_copy: that stall over its floor, a plain copy of the same state's tensors into
-buffers allocated beforehand (what any async save must do before training may go on)."""
+buffers allocated beforehand (what any async save must do before training may go on).
+
+Each figure is the median over the repeats of the ratio of one repeat's two timings, taken back
+to back (the machine is shared: a load change between repeats hits both sides of a ratio);
+raw.ratio_spread has their interquartile range and each of them."""
 
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ from service.trainer import checkpoint
 from service.trainer.checkpoint import TrialState
 from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
 
-REPEATS = 9
+REPEATS = 15
+STALL_PAIRS = 3
+"""Async stalls and plain copies per repeat, interleaved (each is short and sees the load of its
+moment: more pairs than saves)."""
 
 
 def make_state(width: int, step: int = 1) -> TrialState:
@@ -62,15 +69,12 @@ def measure(width: int, root: str) -> dict:
             store.wait_deletions()
             if i >= 2:  # keep as many bare files as the store keeps checkpoints
                 os.remove(os.path.join(bare_dir, f"state-{i - 2}.pt"))
-            t = time.perf_counter()
-            saver.save(state, metrics)
-            stall.append(time.perf_counter() - t)
-            saver.wait()  # the eval interval is longer than a save: no save is still in flight
-            async_store.wait_deletions()
-            t = time.perf_counter()
-            for buf, tensor in zip(buffers, tensors, strict=True):
-                buf.copy_(tensor)
-            copy.append(time.perf_counter() - t)
+            for j in range(STALL_PAIRS):
+                for first in ((i + j) % 2, 1 - (i + j) % 2):
+                    if first:
+                        stall.append(_stall(saver, async_store, state, metrics))
+                    else:
+                        copy.append(_copy(buffers, tensors))
     finally:
         saver.close()
         store.close()
@@ -82,7 +86,48 @@ def measure(width: int, root: str) -> dict:
         "sync_save_s": med(sync),
         "async_stall_s": med(stall),
         "copy_s": med(copy),
+        "sync_vs_torch_save": paired(sync, bare),
+        "stall_vs_sync": paired(per_repeat(stall), sync),
+        "stall_vs_copy": paired(stall, copy),
+        "copy_vs_sync": paired(per_repeat(copy), sync),
     }
+
+
+def per_repeat(values: list[float]) -> list[float]:
+    """The median of each repeat's `STALL_PAIRS` values."""
+    return [statistics.median(values[i : i + STALL_PAIRS]) for i in range(0, len(values), STALL_PAIRS)]
+
+
+def paired(num: list[float], den: list[float]) -> dict:
+    """The ratio of each repeat's two timings (measured back to back, so a change of the
+    machine's load between repeats hits both alike): their median, and the interquartile range
+    of them (`spread`)."""
+    ratios = [n / d for n, d in zip(num, den, strict=True)]
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {
+        "median": statistics.median(ratios),
+        "spread": [round(q[0], 4), round(q[2], 4)],
+        "pair_ratios": [round(r, 4) for r in ratios],
+    }
+
+
+def _stall(saver: AsyncCheckpointer, store: CheckpointStore, state: TrialState, metrics: dict) -> float:
+    """Seconds the loop is blocked by an async save (the save then finishes off the clock: the
+    eval interval is longer than a save, so no save is still in flight at the next one)."""
+    t = time.perf_counter()
+    saver.save(state, metrics)
+    stalled = time.perf_counter() - t
+    saver.wait()
+    store.wait_deletions()
+    return stalled
+
+
+def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
+    """Seconds of a plain copy of the state's tensors into buffers allocated beforehand."""
+    t = time.perf_counter()
+    for buf, tensor in zip(buffers, tensors, strict=True):
+        buf.copy_(tensor)
+    return time.perf_counter() - t
 
 
 def _tensors(tree):
@@ -106,29 +151,35 @@ def run() -> dict:
     return {
         "checkpoint_ratio": figure(
             "checkpoint_ratio",
-            big["sync_save_s"] / big["torch_save_s"],
+            big["sync_vs_torch_save"]["median"],
             state_bytes=big["bytes"],
             save_s=big["sync_save_s"],
             torch_save_s=big["torch_save_s"],
+            ratio_spread=big["sync_vs_torch_save"],
             small_state=small,
             filesystem=tempfile.gettempdir(),
             repeats=REPEATS,
         ),
         "async_checkpoint_stall_ratio": figure(
             "async_checkpoint_stall_ratio",
-            big["async_stall_s"] / big["sync_save_s"],
+            big["stall_vs_sync"]["median"],
             stall_s=big["async_stall_s"],
             sync_save_s=big["sync_save_s"],
+            ratio_spread=big["stall_vs_sync"],
+            copy_vs_sync_save=big["copy_vs_sync"]["median"],
             state_bytes=big["bytes"],
-            small_state_ratio=small["async_stall_s"] / small["sync_save_s"],
+            small_state_ratio=small["stall_vs_sync"]["median"],
+            repeats=REPEATS,
         ),
         "async_stall_vs_copy": figure(
             "async_stall_vs_copy",
-            big["async_stall_s"] / big["copy_s"],
+            big["stall_vs_copy"]["median"],
             stall_s=big["async_stall_s"],
             copy_s=big["copy_s"],
+            ratio_spread=big["stall_vs_copy"],
             state_bytes=big["bytes"],
-            small_state_ratio=small["async_stall_s"] / small["copy_s"],
+            small_state_ratio=small["stall_vs_copy"]["median"],
+            repeats=REPEATS,
         ),
     }
 

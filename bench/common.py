@@ -18,7 +18,11 @@ GOALS = {
     "step_ratio": (">=", 0.95, "steps/s of the service's trainer / a bare PyTorch loop"),
     "bf16_speedup": ("info", 0, "steps/s of the service's trainer with precision bf16 / fp32, same run"),
     "lm_step_ratio": (">=", 0.95, "tokens/s of the service's trainer, lm workload / a bare PyTorch loop"),
-    "loader_vs_pyarrow": (">=", 0.9, "loader examples/s / pyarrow.parquet.read_table + numpy"),
+    "loader_vs_pyarrow": (
+        ">=",
+        0.9,
+        "loader examples/s / pyarrow.parquet.read_table + numpy (median of interleaved pairs)",
+    ),
     "loader_vs_dataloader": (">=", 1.0, "loader examples/s / torch DataLoader(num_workers=2)"),
     "exposed_input_fraction": (
         "<",
@@ -43,12 +47,21 @@ GOALS = {
         "fixed cost per trial, a round of 20 two-worker trials (reused) / a plain Tune function trial",
     ),
     "checkpoint_ratio": ("<=", 1.1, "checkpoint save / torch.save of the same state, same filesystem"),
-    "async_checkpoint_stall_ratio": ("<", 0.1, "loop stall with async save / a sync save"),
+    "async_checkpoint_stall_ratio": (
+        "info",
+        0,
+        "loop stall with async save / a sync save (informational since issue 21: the stall is a memory "
+        "copy of the state, so this is a copy against the disk's write speed; on a quiet machine a "
+        "plain copy alone is above 0.1 of a sync save, raw.copy_vs_sync_save; the goal is "
+        "async_stall_vs_copy)",
+    ),
     "async_stall_vs_copy": ("<=", 1.5, "loop stall with async save / a plain copy of the state's tensors"),
     "loader_peak_rss_ratio": (
         "<=",
         1.2,
-        "loader peak RSS growth over an epoch of a 10x dataset / over an epoch of the base one",
+        "loader peak RSS growth over an epoch of a 10x dataset / over as many batches (ten epochs) of "
+        "the base one (the same run length since issue 21: the allocators' retention grows with the "
+        "windows read, not the data size; raw.one_epoch_each_ratio is the earlier one-epoch-each figure)",
     ),
     "demo_wall_s": ("<", 300.0, "`make demo` wall time in seconds (setup excluded)"),
     "scale": (
