@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.trainer import checkpoint
+from tests.helpers.curve_rules import plain_curve_kinds
 from tests.helpers.studies import digits_logits, make_study
 
 pytestmark = pytest.mark.ray
@@ -329,31 +330,6 @@ def test_curve_verdicts_of_each_round_match_its_metrics_logs(finished_study):
             assert (kind in saved) == bool(names), (kind, names, saved.get(kind))
             assert all(name in saved.get(kind, "") for name in names)
         assert ("training_curves" in saved) == (not any(k in saved for k in KINDS))
-
-
-def plain_curve_kinds(log: list[dict], total: int, best_step: int) -> set[str]:
-    """The late_noise, saturated_early, training_loss_rising and early_instability rules of
-    docs/verdicts.md (default thresholds) read with numpy from one finished trial's log."""
-    steps = np.array([h["step"] for h in log])
-    val, train = (np.array([h[k] for h in log]) for k in ("validation/loss", "train/loss"))
-    tail, kinds = steps > 0.75 * total, set()
-    for c in (val, train):
-        gain = c[0] - c.min()
-        if tail.sum() >= 3 and gain > 0 and np.std(np.diff(c[tail]), ddof=1) > 0.1 * gain:
-            kinds.add("late_noise")
-    flat_by = [steps[np.argmax(c <= c.min() + 0.02 * (c[0] - c.min()))] for c in (val, train)]
-    if (
-        all(c[0] > c.min() for c in (val, train))
-        and max(flat_by) <= 0.5 * total
-        and best_step <= 0.75 * total
-    ):
-        kinds.add("saturated_early")
-    low = int(np.argmin(train))
-    if low < len(train) - 1 and train[-1] - train[low] > 0.1 * (train[0] - train[low]):
-        kinds.add("training_loss_rising")
-    if any(steps[i] <= 0.2 * total and train[i] > 1.5 * train[:i].min() for i in range(1, len(train))):
-        kinds.add("early_instability")
-    return kinds
 
 
 def test_the_other_curve_verdicts_and_the_clip_threshold_of_a_real_study(finished_study):
