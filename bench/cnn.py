@@ -1,9 +1,20 @@
 """The image CNN workload's figures: `cnn_step_ratio`, images/s of the service's step loop
 (trainer.loop.train, one process, no Ray) on PNG parquet data, decoded and augmented online by an
 input worker process with prefetch, over a bare PyTorch loop of the same model, optimizer and
-batch size over images already decoded into a tensor in memory (no decoding, no augmentation);
-and `cnn_exposed_input_fraction`, the share of the service's step time spent waiting for input
-(the loop's own `input/exposed_fraction`)."""
+batch size over images already decoded into a tensor in memory (no decoding, no augmentation),
+as a paired ratio (`common.paired_ratio`: short blocks of the two loops interleaved, one torch
+thread in this process and in the input worker, the median of the pairs' ratios); and
+`cnn_exposed_input_fraction`, the share of the service's step time spent waiting for input (the
+loop's own `input/exposed_fraction`).
+
+The service does more work per image than the bare loop: the input worker decodes and augments
+every image on another core. Its CPU seconds per image are in the raw figures
+(`decode_augment_cpu_s_per_image`, against the bare step's `bare_cpu_s_per_image`), with
+`cpu_bound_ratio`, the ratio to expect where no core is idle for the worker (a 2-CPU host that
+other processes share): bare / (bare + decode and augment).
+
+    python -m bench.cnn
+"""
 
 from __future__ import annotations
 
@@ -18,47 +29,33 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from bench.common import figure
-from bench.step import Discard
+from bench.common import figure, paired_ratio, run_trial, single_trial_study
 from service import workloads
 from service.data.images import write_images
 from service.data.process_input import process_source
-from service.planning.trial import TrialPlan
-from service.study import spec
-from service.trainer import loop
-from service.trainer.topology import Topology
 
-COUNT, STEPS, BATCH, REPEATS = 4000, 100, 64, 3
+COUNT, STEPS, BATCH, PAIRS, THREADS = 4000, 60, 64, 9, 1
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "stages": 3, "weight_decay": 0.0}
 INPUT = {"workers": "processes", "num_input_workers": 1, "prefetch_batches": 4}
 """One input worker process (`process_source`, as the Ray edge passes it for `input.workers:
 processes`): the step keeps one of the 2 cores."""
 
 
-def service_run(data_dir: str, storage: str) -> dict:
+def service_row(data_dir: str, storage: str, device: str = "cpu", precision: str = "fp32") -> dict:
     """The loop's one eval row: its steps/s and its exposed input fraction."""
-    study = spec.load_dict(
-        {
-            "name": "bench-cnn",
-            "workload": "images",
-            "data": {"train": f"{data_dir}/train", "validation": f"{data_dir}/validation"},
-            "storage": storage,
-            "training": {
-                "max_train_steps": STEPS,
-                "batch_size": BATCH,
-                "eval_every_steps": STEPS,  # one eval + checkpoint, after the timed steps
-                "optimizer": "sgd_momentum",
-                "schedule": {"kind": "constant"},
-            },
-            "input": INPUT,
-            "search": {"learning_rate": {"role": "fixed", "value": HPARAMS["learning_rate"]}},
-            "rounds": [{"name": "r", "num_trials": 1}],
-        }
+    training = {
+        "max_train_steps": STEPS,
+        "batch_size": BATCH,
+        "optimizer": "sgd_momentum",
+        "schedule": {"kind": "constant"},
+        "precision": precision,
+    }
+    use_gpu = torch.device(device).type == "cuda"
+    study = single_trial_study(
+        "bench-cnn", "images", data_dir, storage, training, HPARAMS["learning_rate"], INPUT, use_gpu
     )
-    plan = TrialPlan(study, f"r-{time.monotonic_ns()}", "r", dict(HPARAMS), STEPS)
-    reporter = Discard()
-    loop.train(plan, Topology(), reporter, batch_source=process_source(INPUT["num_input_workers"]))
-    return reporter.rows[-1]
+    source = process_source(INPUT["num_input_workers"])
+    return run_trial(study, HPARAMS, torch.device(device), batch_source=source)
 
 
 def decoded(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,46 +67,112 @@ def decoded(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def bare_images_per_s(x: torch.Tensor, y: torch.Tensor) -> float:
-    """What one writes by hand: tensors in memory, a permutation per epoch, the usual 5 lines."""
+def bare_images_per_s(x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> float:
+    """What one writes by hand: tensors in memory (on x's device), a permutation per epoch, the
+    usual 5 lines (under autocast for bf16)."""
+    device = x.device
     torch.manual_seed(0)
-    model = workloads.get("images").build_model(HPARAMS)
+    model = workloads.get("images").build_model(HPARAMS).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=HPARAMS["learning_rate"], momentum=HPARAMS["momentum"])
-    perm, pos = torch.randperm(len(y)), 0
+    perm, pos = torch.randperm(len(y), device=device), 0
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(STEPS):
         if pos + BATCH > len(y):
-            perm, pos = torch.randperm(len(y)), 0
+            perm, pos = torch.randperm(len(y), device=device), 0
         i = perm[pos : pos + BATCH]
         pos += BATCH
-        loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    synchronize(device)
     return STEPS * BATCH / (time.perf_counter() - start)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_ratios(pairs: int = 5) -> dict:
+    """For bench/gpu.py (needs CUDA, not Ray): the same ratio with both loops on the GPU, the
+    bare loop's decoded images in GPU memory, fp32 and bf16 (autocast on both sides), after one
+    untimed block of each."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="playbook-bench-cnn-gpu-") as tmp:
+        write_images(f"{tmp}/data", COUNT, seed=0)
+        x, y = (t.cuda() for t in decoded(f"{tmp}/data"))
+        for precision in ("fp32", "bf16"):
+
+            def service(p=precision) -> float:
+                return service_row(f"{tmp}/data", f"{tmp}/studies", "cuda", p)["steps_per_s"] * BATCH
+
+            service(), bare_images_per_s(x, y, precision)  # kernels' first launches, cuDNN autotuning
+            paired = paired_ratio(service, lambda p=precision: bare_images_per_s(x, y, p), pairs)
+            out[precision] = {
+                "cnn_step_ratio": paired["ratio"],
+                "service_images_per_s": paired["service"],
+                "bare_images_per_s": paired["baseline"],
+                "spread": paired["spread"],
+                "pair_ratios": paired["pair_ratios"],
+            }
+    return {**out, "steps": STEPS, "batch_size": BATCH, "model": HPARAMS, **INPUT}
+
+
+def cpu_per_image(data_dir: str, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """CPU seconds per image (this process, one thread) of the input worker's work -- the
+    workload's `to_batch` (PNG decoding) and `augment` over the training files -- and of a
+    bare block's step; their `cpu_bound_ratio` (see the module docstring)."""
+    workload = workloads.get("images")
+    table = pq.read_table(f"{data_dir}/train")
+    start = time.process_time()
+    batch = workload.to_batch(table)
+    batch["example_id"] = torch.from_numpy(table.column("example_id").to_numpy())
+    workload.augment(batch, HPARAMS, 0, 0)
+    decode = (time.process_time() - start) / table.num_rows
+    start = time.process_time()
+    bare_images_per_s(x, y)
+    bare = (time.process_time() - start) / (STEPS * BATCH)
+    return {
+        "decode_augment_cpu_s_per_image": decode,
+        "bare_cpu_s_per_image": bare,
+        "cpu_bound_ratio": bare / (bare + decode),
+    }
+
+
 def run() -> dict:
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
+    rows = []
+
+    def service() -> float:
+        rows.append(service_row(f"{tmp}/data", f"{tmp}/studies"))
+        return rows[-1]["steps_per_s"] * BATCH
+
     with tempfile.TemporaryDirectory(prefix="playbook-bench-cnn-") as tmp:
         write_images(f"{tmp}/data", COUNT, seed=0)
         x, y = decoded(f"{tmp}/data")
-        rows, bare = [], []
-        for _ in range(REPEATS):
-            rows.append(service_run(f"{tmp}/data", f"{tmp}/studies"))
-            bare.append(bare_images_per_s(x, y))
-    service = statistics.median(r["steps_per_s"] * BATCH for r in rows)
+        paired = paired_ratio(service, lambda: bare_images_per_s(x, y), PAIRS)
+        cpu = cpu_per_image(f"{tmp}/data", x, y)
     exposed = statistics.median(r["input/exposed_fraction"] for r in rows)
-    b = statistics.median(bare)
-    raw = {"steps": STEPS, "batch_size": BATCH, "repeats": REPEATS, "threads": 1, "images": COUNT, **INPUT}
+    raw = {"steps": STEPS, "batch_size": BATCH, "pairs": PAIRS, "threads": THREADS, "images": COUNT, **INPUT}
     return {
         "cnn_step_ratio": figure(
-            "cnn_step_ratio", service / b, service_images_per_s=service, bare_images_per_s=b, **raw
+            "cnn_step_ratio",
+            paired["ratio"],
+            service_images_per_s=paired["service"],
+            bare_images_per_s=paired["baseline"],
+            spread=paired["spread"],
+            pair_ratios=paired["pair_ratios"],
+            load_avg_1m=paired["load_avg_1m"],
+            **cpu,
+            **raw,
         ),
         "cnn_exposed_input_fraction": figure(
             "cnn_exposed_input_fraction",
             exposed,
-            each=[r["input/exposed_fraction"] for r in rows],
+            each=[round(r["input/exposed_fraction"], 4) for r in rows],
             preprocess_s=[r["input/preprocess_s"] for r in rows],
             augment_s=[r["input/augment_s"] for r in rows],
             **raw,

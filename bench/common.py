@@ -1,5 +1,6 @@
-"""Shared helpers: medians over repeats, the figure record, and a synthetic digits-shaped dataset
-larger than the bundled one (the bundled 1,257 training rows are gone in milliseconds)."""
+"""Shared helpers: medians over repeats, paired (interleaved) ratios, the figure record, the
+single-trial study the step benchmarks run, and a synthetic digits-shaped dataset larger than
+the bundled one (the bundled 1,257 training rows are gone in milliseconds)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,99 @@ GOALS = {
 def median_of(fn: Callable[[], float], repeats: int) -> tuple[float, list[float]]:
     values = [fn() for _ in range(repeats)]
     return statistics.median(values), values
+
+
+def paired_ratio(service: Callable[[], float], baseline: Callable[[], float], pairs: int) -> dict:
+    """The service's rate over the baseline's, robust to background load on a shared machine:
+    `pairs` short blocks of each, interleaved in one process (ABBA: the order alternates, so a
+    trend in the load hits both sides alike), the ratio of each pair, and their median (each
+    pair's two blocks ran moments apart, under about the same load). `spread` is the
+    interquartile range of the pair ratios; the sides' own medians are kept as well, and the
+    host's 1-minute load average before and after (on 2 CPUs, more than ~2 is other processes)."""
+    load = [os.getloadavg()[0]]
+    service_rates, baseline_rates = [], []
+    for i in range(pairs):
+        if i % 2:
+            b, a = baseline(), service()
+        else:
+            a, b = service(), baseline()
+        service_rates.append(a)
+        baseline_rates.append(b)
+    ratios = [a / b for a, b in zip(service_rates, baseline_rates, strict=True)]
+    return {
+        "ratio": statistics.median(ratios),
+        "spread": quartiles(ratios),
+        "pair_ratios": [round(r, 4) for r in ratios],
+        "service": statistics.median(service_rates),
+        "baseline": statistics.median(baseline_rates),
+        "pairs": pairs,
+        "load_avg_1m": [round(x, 2) for x in [*load, os.getloadavg()[0]]],
+    }
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """[25th, 75th] percentile."""
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [round(q[0], 4), round(q[2], 4)]
+
+
+class Discard:
+    """A Reporter that keeps the eval rows only (no checkpoints; the loop's own measurement is in
+    its rows)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def report(self, metrics, checkpoint_dir):
+        self.rows.append(metrics)
+
+    def restore(self):
+        return None
+
+
+def single_trial_study(
+    name: str,
+    workload: str,
+    data_dir: str,
+    storage: str,
+    training: dict,
+    learning_rate: float,
+    input: dict | None = None,
+    use_gpu: bool = False,
+):
+    """The study of one fixed trial (one round, the learning rate fixed) that the step benchmarks
+    run: `training` holds max_train_steps, batch_size and the rest; eval_every_steps defaults to
+    max_train_steps (one eval and checkpoint, after the timed steps)."""
+    from service.study import spec
+
+    training = {"eval_every_steps": training["max_train_steps"], **training}
+    doc = {
+        "name": name,
+        "workload": workload,
+        "data": {"train": f"{data_dir}/train", "validation": f"{data_dir}/validation"},
+        "storage": storage,
+        "scaling": {"use_gpu": use_gpu},
+        "training": training,
+        "search": {"learning_rate": {"role": "fixed", "value": learning_rate}},
+        "rounds": [{"name": "r", "num_trials": 1}],
+    }
+    if input:
+        doc["input"] = input
+    return spec.load_dict(doc)
+
+
+def run_trial(study, hparams: dict, device=None, batch_source=None) -> dict:
+    """One trial of `study` through the service's step loop (trainer.loop.train, this process,
+    no Ray): its last eval row (`steps_per_s` is the loop's own measurement of its steps)."""
+    from service.planning.trial import TrialPlan
+    from service.trainer import loop
+    from service.trainer.topology import Topology
+
+    steps = study.training.max_train_steps
+    plan = TrialPlan(study, f"r-{time.monotonic_ns()}", "r", dict(hparams), steps)
+    reporter = Discard()
+    loop.train(plan, Topology(), reporter, device, batch_source=batch_source)
+    return reporter.rows[-1]
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -1,9 +1,11 @@
-"""GPU figures, for a machine with CUDA (never needed by CI; without CUDA it says so and exits 0):
-the service's step loop on the GPU over a bare loop, bf16 autocast over fp32, the service's loop
+"""GPU figures, for a machine with CUDA (never needed by CI; without CUDA it says so and exits 2
+at once): the service's step loop on the GPU over a bare loop, bf16 autocast over fp32, the service's loop
 with `training.precision` fp32 / bf16 / fp16, with 4 microbatches per step
 (`training.microbatch_size`) and with `training.compile` (its steps/s include the compilation),
 pinned over pageable host-to-device copies, an NCCL all-reduce, and the async checkpoint stall
-with GPU state (pinned snapshot buffers). Writes bench/results-gpu.json. Needs no Ray.
+with GPU state (pinned snapshot buffers), and the lm and cnn workloads' step ratios (bench.lm,
+bench.cnn: the service's loop over a bare loop on the GPU, fp32 and bf16). Writes
+bench/results-gpu.json. Needs no Ray.
 
     python -m bench.gpu
 """
@@ -60,7 +62,7 @@ def bare_steps_per_s(width: int, batch: int, steps: int, autocast: bool) -> floa
 def service_steps_per_s(steps: int, batch: int, width: int, **training) -> float:
     """steps/s of the service's loop on the GPU (one eval point, after the timed steps);
     `training`: extra study fields (precision, microbatch_size, compile)."""
-    from bench.step import Discard
+    from bench.common import Discard
     from service.data.builtin import write_digits
     from service.planning.trial import TrialPlan
     from service.study import spec
@@ -141,15 +143,26 @@ def lm_step_ratios() -> dict:
     out = {}
     for precision in ("fp32", "bf16"):
         setup = Setup(steps=40, batch=64, seq_len=256, hparams=model, precision=precision, device="cuda")
-        raw = measure(setup, repeats=3)
-        out[precision] = {"lm_step_ratio": raw["service_tokens_per_s"] / raw["bare_tokens_per_s"], **raw}
+        raw = measure(setup, pairs=5)
+        out[precision] = {"lm_step_ratio": raw.pop("ratio"), **raw}
     return out
+
+
+def cnn_step_ratios() -> dict:
+    """bench.cnn's service loop (PNG decoded and augmented online by an input worker process)
+    over a bare loop on decoded tensors in GPU memory, in fp32 and bf16."""
+    from bench.cnn import gpu_ratios
+
+    return gpu_ratios()
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA device here; nothing measured (this is not an error)")
-        return 0
+        print(
+            "bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured",
+            file=sys.stderr,
+        )
+        return 2
     steps, batch, width = 300, 256, 32
     fp32 = bare_steps_per_s(width, batch, steps, autocast=False)
     bf16 = bare_steps_per_s(width, batch, steps, autocast=True)
@@ -159,6 +172,7 @@ def main() -> int:
     compiled = service_steps_per_s(steps, batch, width, compile=True)
     stall = checkpoint_stall()
     lm = lm_step_ratios()
+    cnn = cnn_step_ratios()
     results = {
         "device": torch.cuda.get_device_name(),
         "gpu_step_ratio": service / fp32,
@@ -178,6 +192,9 @@ def main() -> int:
         "lm_step_ratio_fp32": lm["fp32"]["lm_step_ratio"],
         "lm_step_ratio_bf16": lm["bf16"]["lm_step_ratio"],
         "lm": lm,
+        "cnn_step_ratio_fp32": cnn["fp32"]["cnn_step_ratio"],
+        "cnn_step_ratio_bf16": cnn["bf16"]["cnn_step_ratio"],
+        "cnn": cnn,
     }
     with open(os.path.join(HERE, "results-gpu.json"), "w") as f:
         json.dump(results, f, indent=1)

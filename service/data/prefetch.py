@@ -32,6 +32,7 @@ class Prefetcher(Iterator[T]):
 
     def __init__(self, runs: Iterator[list[T]], depth: int):
         assert depth > 0
+        self._depth = depth
         self._ready: deque = deque()
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -58,7 +59,10 @@ class Prefetcher(Iterator[T]):
             if isinstance(item, _Failure):
                 raise item.error
             self._ready.popleft()
-            self._cond.notify()  # the thread may be waiting for room
+            if len(self._ready) < self._depth:
+                # Only now is there room the thread waits for: a wake-up on every item would
+                # switch to the thread (and back) each step only for it to wait again.
+                self._cond.notify()
             return item
 
     def close(self) -> None:
