@@ -3,7 +3,8 @@ workload module of one's own beside the study file, not a built-in; data written
 rounds) copied to a folder outside the repository and run by the `playbook` CLI from there,
 on a Ray head of exactly 2 CPUs for its 2 workers x 1 CPU: validate --data, run, status, report
 and eval of the best checkpoint that run reported; and the same study submitted as a Ray job
-(`ray job submit --working-dir`), its study file in a subfolder of the working directory."""
+(`ray job submit --working-dir`), its study file in a subfolder of the working directory. Both
+on one head, started once for the module."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ from tests.helpers.ray_head import BIN, start_ray_head, wait_for_job
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
 
 
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A token-auth Ray head of 2 CPUs, started from a folder of its own (its workers' directory
+    is not the user's): (dashboard address, GCS address, a client's env without PYTHONPATH)."""
+    root = tmp_path_factory.mktemp("head")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        with start_ray_head(root) as (address, gcs_address, env):
+            os.chdir(cwd)
+            yield address, gcs_address, {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    finally:
+        os.chdir(cwd)
+
+
 def playbook(user, env, *args, timeout=600) -> subprocess.CompletedProcess:
     out = subprocess.run(
         [f"{BIN}/playbook", *args], cwd=user, env=env, capture_output=True, text=True, timeout=timeout
@@ -35,21 +51,11 @@ def playbook(user, env, *args, timeout=600) -> subprocess.CompletedProcess:
     return out
 
 
-def test_a_study_on_a_workload_of_ones_own_from_validate_to_eval(tmp_path):
+def test_a_study_on_a_workload_of_ones_own_from_validate_to_eval(head, tmp_path):
     user = tmp_path / "user"  # the user's working directory; the study in a folder of its own
     shutil.copytree(cw.STUDY_DIR, user / "tabular", ignore=shutil.ignore_patterns("__pycache__", "data"))
-    head = tmp_path / "head"  # the Ray head starts elsewhere: its workers' directory is not the user's
-    head.mkdir()
-    cwd = os.getcwd()
-    os.chdir(head)
-    try:
-        with start_ray_head(tmp_path) as (_, gcs_address, head_env):
-            os.chdir(cwd)
-            env = {k: v for k, v in head_env.items() if k != "PYTHONPATH"}
-            env["RAY_ADDRESS"] = gcs_address
-            run_the_study(user, env)
-    finally:
-        os.chdir(cwd)
+    _, gcs_address, env = head
+    run_the_study(user, {**env, "RAY_ADDRESS": gcs_address})
 
 
 def run_the_study(user, env) -> None:
@@ -102,7 +108,7 @@ def run_the_study(user, env) -> None:
     np.testing.assert_array_equal(preds["metric/error"], [by_id[i] for i in preds["example_id"]])
 
 
-def test_ray_job_submit_imports_the_workload_beside_a_study_in_a_subfolder(tmp_path):
+def test_ray_job_submit_imports_the_workload_beside_a_study_in_a_subfolder(head, tmp_path):
     """`ray job submit --working-dir USER -- playbook run tabular/study.yaml`: the job's driver
     and its trial's worker (in the uploaded copy of USER, on a head started elsewhere) import
     `tabular_workload` from the study file's folder, a subfolder of the working directory."""
@@ -118,22 +124,13 @@ def test_ray_job_submit_imports_the_workload_beside_a_study_in_a_subfolder(tmp_p
     )
     d["training"].update(max_train_steps=8, eval_every_steps=8)
     study_file.write_text(yaml.safe_dump(d))
-    head = tmp_path / "head"
-    head.mkdir()
-    cwd = os.getcwd()
-    os.chdir(head)
-    try:
-        with start_ray_head(tmp_path) as (address, _, env):
-            os.chdir(cwd)
-            env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-            submit = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", address, "--working-dir"]
-            submit += [str(user), "--", "playbook", "run", "tabular/study.yaml"]
-            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-            job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
-            state, logs = wait_for_job(address, job_id, env, timeout_s=600)
-    finally:
-        os.chdir(cwd)
+    address, _, env = head
+    submit = [f"{BIN}/ray", "job", "submit", "--no-wait", "--address", address, "--working-dir"]
+    submit += [str(user), "--", "playbook", "run", "tabular/study.yaml"]
+    out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+    state, logs = wait_for_job(address, job_id, env, timeout_s=600)
     assert state == "SUCCEEDED", logs[-4000:]
     rows = pq.read_table(str(tmp_path / "storage" / "tabular-example" / "trials.parquet")).to_pylist()
     assert [(r["trial_name"], r["status"]) for r in rows] == [("explore-0000", "FINISHED")]
