@@ -106,17 +106,22 @@ def gpu_ratios(pairs: int = 5) -> dict:
         x, y = (t.cuda() for t in decoded(f"{tmp}/data"))
         for precision in ("fp32", "bf16"):
 
-            def service(p=precision) -> float:
-                return service_row(f"{tmp}/data", f"{tmp}/studies", "cuda", p)["steps_per_s"] * BATCH
+            def service(p=precision) -> dict:
+                return {
+                    "wall": service_row(f"{tmp}/data", f"{tmp}/studies", "cuda", p)["steps_per_s"] * BATCH
+                }
 
-            service(), bare_images_per_s(x, y, precision)  # kernels' first launches, cuDNN autotuning
-            paired = paired_ratio(service, lambda p=precision: bare_images_per_s(x, y, p), pairs)
+            def bare(p=precision) -> dict:
+                return {"wall": bare_images_per_s(x, y, p)}
+
+            service(), bare()  # kernels' first launches, cuDNN autotuning
+            paired = paired_ratio(service, bare, pairs)
             out[precision] = {
-                "cnn_step_ratio": paired["ratio"],
-                "service_images_per_s": paired["service"],
-                "bare_images_per_s": paired["baseline"],
-                "spread": paired["spread"],
-                "pair_ratios": paired["pair_ratios"],
+                "cnn_step_ratio": paired["wall"]["ratio"],
+                "service_images_per_s": paired["wall"]["service"],
+                "bare_images_per_s": paired["wall"]["baseline"],
+                "spread": paired["wall"]["spread"],
+                "pair_ratios": paired["wall"]["pair_ratios"],
             }
     return {**out, "steps": STEPS, "batch_size": BATCH, "model": HPARAMS, **INPUT}
 
@@ -146,25 +151,25 @@ def run() -> dict:
     torch.set_num_threads(THREADS)
     rows = []
 
-    def service() -> float:
+    def service() -> dict:
         rows.append(service_row(f"{tmp}/data", f"{tmp}/studies"))
-        return rows[-1]["steps_per_s"] * BATCH
+        return {"wall": rows[-1]["steps_per_s"] * BATCH}
 
     with tempfile.TemporaryDirectory(prefix="playbook-bench-cnn-") as tmp:
         write_images(f"{tmp}/data", COUNT, seed=0)
         x, y = decoded(f"{tmp}/data")
-        paired = paired_ratio(service, lambda: bare_images_per_s(x, y), PAIRS)
+        paired = paired_ratio(service, lambda: {"wall": bare_images_per_s(x, y)}, PAIRS)
         cpu = cpu_per_image(f"{tmp}/data", x, y)
     exposed = statistics.median(r["input/exposed_fraction"] for r in rows)
     raw = {"steps": STEPS, "batch_size": BATCH, "pairs": PAIRS, "threads": THREADS, "images": COUNT, **INPUT}
     return {
         "cnn_step_ratio": figure(
             "cnn_step_ratio",
-            paired["ratio"],
-            service_images_per_s=paired["service"],
-            bare_images_per_s=paired["baseline"],
-            spread=paired["spread"],
-            pair_ratios=paired["pair_ratios"],
+            paired["wall"]["ratio"],
+            service_images_per_s=paired["wall"]["service"],
+            bare_images_per_s=paired["wall"]["baseline"],
+            spread=paired["wall"]["spread"],
+            pair_ratios=paired["wall"]["pair_ratios"],
             load_avg_1m=paired["load_avg_1m"],
             **cpu,
             **raw,

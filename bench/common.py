@@ -95,13 +95,18 @@ def median_of(fn: Callable[[], float], repeats: int) -> tuple[float, list[float]
     return statistics.median(values), values
 
 
-def paired_ratio(service: Callable[[], float], baseline: Callable[[], float], pairs: int) -> dict:
-    """The service's rate over the baseline's, robust to background load on a shared machine:
+Rates = dict[str, float]
+"""A block's rates by name (e.g. "wall": steps per second, "cpu": steps per CPU second)."""
+
+
+def paired_ratio(service: Callable[[], Rates], baseline: Callable[[], Rates], pairs: int) -> dict:
+    """The service's rates over the baseline's, robust to background load on a shared machine:
     `pairs` short blocks of each, interleaved in one process (ABBA: the order alternates, so a
     trend in the load hits both sides alike), the ratio of each pair, and their median (each
-    pair's two blocks ran moments apart, under about the same load). `spread` is the
-    interquartile range of the pair ratios; the sides' own medians are kept as well, and the
-    host's 1-minute load average before and after (on 2 CPUs, more than ~2 is other processes)."""
+    pair's two blocks ran moments apart, under about the same load). Per rate name: `ratio`,
+    `spread` (the interquartile range of the pair ratios), every pair ratio, and the sides' own
+    medians; with the host's 1-minute load average before and after (on 2 CPUs, more than ~2 is
+    other processes)."""
     load = [os.getloadavg()[0]]
     service_rates, baseline_rates = [], []
     for i in range(pairs):
@@ -111,16 +116,35 @@ def paired_ratio(service: Callable[[], float], baseline: Callable[[], float], pa
             a, b = service(), baseline()
         service_rates.append(a)
         baseline_rates.append(b)
-    ratios = [a / b for a, b in zip(service_rates, baseline_rates, strict=True)]
-    return {
-        "ratio": statistics.median(ratios),
-        "spread": quartiles(ratios),
-        "pair_ratios": [round(r, 4) for r in ratios],
-        "service": statistics.median(service_rates),
-        "baseline": statistics.median(baseline_rates),
-        "pairs": pairs,
-        "load_avg_1m": [round(x, 2) for x in [*load, os.getloadavg()[0]]],
-    }
+    out: dict = {"pairs": pairs, "load_avg_1m": [round(x, 2) for x in [*load, os.getloadavg()[0]]]}
+    for key in service_rates[0]:
+        ratios = [a[key] / b[key] for a, b in zip(service_rates, baseline_rates, strict=True)]
+        out[key] = {
+            "ratio": statistics.median(ratios),
+            "spread": quartiles(ratios),
+            "pair_ratios": [round(r, 4) for r in ratios],
+            "service": statistics.median(a[key] for a in service_rates),
+            "baseline": statistics.median(b[key] for b in baseline_rates),
+        }
+    return out
+
+
+class CpuClock:
+    """A `loop.BatchSource` wrapper that notes this process's CPU time (all its threads: the
+    loop's, its prefetch and read threads') as each batch is handed to a step, so that the
+    loop's steps can be counted per CPU second as well as per wall second."""
+
+    def __init__(self, source):
+        self.source, self.marks = source, []
+
+    def __call__(self, stream, start_step: int):
+        for batch in self.source(stream, start_step):
+            self.marks.append(time.process_time())
+            yield batch
+
+    def steps_per_cpu_s(self) -> float:
+        """From the first step's start to the last one's: all steps but the last."""
+        return (len(self.marks) - 1) / (self.marks[-1] - self.marks[0])
 
 
 def quartiles(values: list[float]) -> list[float]:
@@ -176,7 +200,8 @@ def single_trial_study(
 
 def run_trial(study, hparams: dict, device=None, batch_source=None) -> dict:
     """One trial of `study` through the service's step loop (trainer.loop.train, this process,
-    no Ray): its last eval row (`steps_per_s` is the loop's own measurement of its steps)."""
+    no Ray): its last eval row (`steps_per_s` is the loop's own measurement of its steps) and,
+    under `steps_per_cpu_s`, its steps per CPU second of this process (`CpuClock`)."""
     from service.planning.trial import TrialPlan
     from service.trainer import loop
     from service.trainer.topology import Topology
@@ -184,8 +209,24 @@ def run_trial(study, hparams: dict, device=None, batch_source=None) -> dict:
     steps = study.training.max_train_steps
     plan = TrialPlan(study, f"r-{time.monotonic_ns()}", "r", dict(hparams), steps)
     reporter = Discard()
-    loop.train(plan, Topology(), reporter, device, batch_source=batch_source)
-    return reporter.rows[-1]
+    pin = device is not None and torch_device_type(device) == "cuda"
+    clock = CpuClock(batch_source or loop.local_batches(study.input.prefetch_batches, pin))
+    loop.train(plan, Topology(), reporter, device, batch_source=clock)
+    return {**reporter.rows[-1], "steps_per_cpu_s": clock.steps_per_cpu_s()}
+
+
+def torch_device_type(device) -> str:
+    import torch
+
+    return torch.device(device).type
+
+
+def block_rates(steps: int, wall_start: float, cpu_start: float) -> Rates:
+    """A bare block's rates, from its perf_counter and process_time at its start."""
+    return {
+        "wall": steps / (time.perf_counter() - wall_start),
+        "cpu": steps / (time.process_time() - cpu_start),
+    }
 
 
 def timed(fn: Callable[[], object]) -> float:

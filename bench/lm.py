@@ -2,7 +2,7 @@
 the `lm` workload over a bare PyTorch loop of the same model, optimizer, batch, precision and
 data (the corpus's training sequences as tensors in memory, a permutation per epoch), as a
 paired ratio (`common.paired_ratio`: short blocks of the two loops interleaved in this process,
-one torch thread, the median of the pairs' ratios).
+one torch thread, the median of the pairs' ratios, per CPU second as in bench.step).
 
 Importable without Ray, for bench/gpu.py's CUDA runs: `measure(Setup(device="cuda", ...))`.
 
@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from bench.common import figure, paired_ratio, run_trial, single_trial_study
+from bench.common import Rates, block_rates, figure, paired_ratio, run_trial, single_trial_study
 from service import workloads
 from service.data.text import write_text
 
@@ -42,7 +42,7 @@ class Setup:
         return {**self.hparams, "context": self.seq_len, "learning_rate": self.learning_rate}
 
 
-PAIRS, CORPUS_BYTES, THREADS = 15, 600_000, 1
+PAIRS, CORPUS_BYTES, THREADS = 11, 600_000, 1
 
 
 def study(data_dir: str, storage: str, setup: Setup):
@@ -62,9 +62,9 @@ def study(data_dir: str, storage: str, setup: Setup):
     )
 
 
-def service_steps_per_s(data_dir: str, storage: str, setup: Setup) -> float:
+def service_rates(data_dir: str, storage: str, setup: Setup) -> Rates:
     row = run_trial(study(data_dir, storage, setup), setup.model_hparams, torch.device(setup.device))
-    return row["steps_per_s"]
+    return {"wall": row["steps_per_s"], "cpu": row["steps_per_cpu_s"]}
 
 
 class Bare:
@@ -76,7 +76,7 @@ class Bare:
         table = pq.read_table(f"{data_dir}/train")
         self.data = {k: v.to(self.device) for k, v in workloads.get("lm").to_batch(table).items()}
 
-    def steps_per_s(self) -> float:
+    def rates(self) -> Rates:
         setup, device, batch, data = self.setup, self.device, self.setup.batch, self.data
         n = len(data["label"])
         positions = torch.arange(setup.seq_len, device=device)
@@ -87,7 +87,7 @@ class Bare:
         scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
         perm, pos = torch.randperm(n, device=device), 0
         synchronize(device)
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(setup.steps):
             if pos + batch > n:
                 perm, pos = torch.randperm(n, device=device), 0
@@ -103,7 +103,7 @@ class Bare:
             scaler.step(opt)
             scaler.update()
         synchronize(device)
-        return setup.steps / (time.perf_counter() - start)
+        return block_rates(setup.steps, wall, cpu)
 
 
 def synchronize(device: torch.device) -> None:
@@ -114,21 +114,27 @@ def synchronize(device: torch.device) -> None:
 def measure(setup: Setup, pairs: int = PAIRS, corpus_bytes: int = CORPUS_BYTES) -> dict:
     """The paired ratio (`common.paired_ratio`) of the two loops' tokens (sequence positions)
     per second, after one untimed block of each on CUDA; the corpus is written once to a
-    temporary folder."""
+    temporary folder. On the CPU `ratio` counts per CPU second of this process (as bench.step
+    does, see its docstring; `wall_ratio` per wall second); on CUDA per wall second."""
     with tempfile.TemporaryDirectory(prefix="playbook-bench-lm-") as tmp:
         data, storage = f"{tmp}/data", f"{tmp}/studies"
         write_text(data, corpus_bytes, setup.seq_len)
         bare = Bare(data, setup)
-        if torch.device(setup.device).type == "cuda":  # kernels' first launches and autotuning
-            service_steps_per_s(data, storage, setup), bare.steps_per_s()
-        paired = paired_ratio(lambda: service_steps_per_s(data, storage, setup), bare.steps_per_s, pairs)
+        cuda = torch.device(setup.device).type == "cuda"
+        if cuda:  # kernels' first launches and autotuning
+            service_rates(data, storage, setup), bare.rates()
+        paired = paired_ratio(lambda: service_rates(data, storage, setup), bare.rates, pairs)
     tokens = setup.batch * setup.seq_len
+    value, wall = paired["wall" if cuda else "cpu"], paired["wall"]
     return {
-        "ratio": paired["ratio"],
-        "service_tokens_per_s": paired["service"] * tokens,
-        "bare_tokens_per_s": paired["baseline"] * tokens,
-        "spread": paired["spread"],
-        "pair_ratios": paired["pair_ratios"],
+        "ratio": value["ratio"],
+        "service_tokens_per_s": wall["service"] * tokens,
+        "bare_tokens_per_s": wall["baseline"] * tokens,
+        "spread": value["spread"],
+        "pair_ratios": value["pair_ratios"],
+        "wall_ratio": round(wall["ratio"], 4),
+        "wall_spread": wall["spread"],
+        "wall_pair_ratios": wall["pair_ratios"],
         "pairs": pairs,
         "load_avg_1m": paired["load_avg_1m"],
         **{k: v for k, v in asdict(setup).items() if k != "hparams"},
