@@ -159,7 +159,7 @@ def test_a_table_is_written_as_parquet_and_csv(tmp_path):
 
 
 def test_status_prints_the_same_best_trial_on_a_tie(capsys):
-    from service.cli import print_table
+    from service.cli.results import print_table
 
     print_table(TRIALS, "m", "min")
     # Before: the first of the tied rows in table order ("r-b").

@@ -8,7 +8,7 @@ import html as html_lib
 import re
 
 from service.analysis.report_lines import round_verdicts
-from service.cli import print_table
+from service.cli.results import print_table
 from service.report.html import trial_table
 from service.report.load import StudyData
 from service.report.sentences import divergence_sentences

@@ -1,0 +1,47 @@
+"""What a command does before it runs anything: load the study file (with its own workload
+module), connect to Ray, and check that the cluster can hold a trial."""
+
+from __future__ import annotations
+
+import os
+
+from service.study import spec
+
+
+def load_study(path: str, storage_override: str | None = None) -> spec.Study:
+    from service import workloads
+    from service.study.checks import check_workload, resolve_paths
+
+    workloads.use_import_path(workloads.import_path(path))  # a workload module of one's own
+    study = resolve_paths(spec.load_file(path), storage_override)
+    check_workload(study)
+    return study
+
+
+def connect_ray(import_path: list[str] | None = None) -> None:
+    """Connect to RAY_ADDRESS or start an embedded Ray; every process of the job imports from
+    `import_path` first (a workload module of one's own, see `workloads.ray_env`)."""
+    import ray
+
+    from service import workloads
+    from service.orchestration.coordinator import NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(
+            # No RAY_ADDRESS: an embedded Ray of our own ("local"), never a cluster that some
+            # other process happens to run on this machine (what address=None would join).
+            address=os.environ.get("RAY_ADDRESS") or "local",
+            namespace=NAMESPACE,
+            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **workloads.ray_env(import_path or [])}},
+        )
+
+
+def check_cluster(study: spec.Study) -> None:
+    """The connected Ray cluster can hold one trial of the study (refused before it starts)."""
+    import ray
+
+    from service.orchestration.ray_private import cluster_config
+    from service.study.checks import autoscaler_nodes, check_resources
+
+    # An autoscaling cluster is judged by what it can grow to, a fixed one by what it has.
+    check_resources(study, autoscaler_nodes(cluster_config(), study) or ray.nodes())

@@ -1,0 +1,76 @@
+"""Running a study: `playbook run`, `validate` (the study file, before a run) and `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from service.cli.prepare import check_cluster, connect_ray, load_study
+from service.cli.results import print_table, print_verdicts
+from service.core.trial_status import TrialStatus
+from service.study import spec
+
+DEMO_STUDY = "studies/digits-demo.yaml"
+
+
+def cmd_validate(args) -> int:
+    study = load_study(args.study_file)
+    if args.data:
+        from service.study.checks import check_data
+
+        check_data(study)
+    from service.analysis.round_checks import validate_findings
+
+    for level, field, message in validate_findings(study):  # on stderr: stdout ends with ok
+        print(f"{level}: {field}: {message}", file=sys.stderr)
+    trials = sum(r.num_trials for r in study.rounds)
+    print(
+        f"ok: study {study.name}: {len(study.rounds)} round(s), {trials} trials, "
+        f"{study.scaling.world_size} worker(s) per trial"
+    )
+    return 0
+
+
+def cmd_run(args) -> int:
+    from service import workloads
+    from service.orchestration.coordinator import run_study
+    from service.study.checks import check_data, check_same_study, check_storage
+    from service.tracking import provenance
+
+    study = load_study(args.study_file, args.storage)
+    check_data(study)
+    check_storage(study)
+    check_same_study(study)
+    from service.tracking.mlflow_mirror import check_available
+
+    check_available(study)
+    paths = workloads.import_path(args.study_file)
+    connect_ray(paths)
+    check_cluster(study)  # before anything is written
+    record = provenance.capture(study.study_uri, study.workload, paths)
+    from service.data.preprocess import record_in_study
+
+    for line in record_in_study(study):
+        print(line)
+    print(provenance.summary(record))
+    rows = run_study(study)
+    print_table(rows, study.training.metric, study.training.mode)
+    print_verdicts(study.study_uri)
+    failed = [r["trial_name"] for r in rows if r.get("status") == TrialStatus.FAILED]
+    if failed:
+        print(f"playbook: {len(failed)} trial(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from service.core import storage
+    from service.data.builtin import write_digits
+
+    raw = spec.load_file(args.study_file)
+    data_root = os.path.dirname(storage.absolute(raw.data.train).rstrip("/"))
+    if not storage.exists(raw.data.train):
+        print(f"writing the digits dataset to {data_root}")
+        write_digits(data_root)
+    return cmd_run(argparse.Namespace(study_file=args.study_file, storage=None))
