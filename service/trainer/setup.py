@@ -159,15 +159,19 @@ def build_model(plan: TrialPlan, topo: Topology, workload, device):
 
 
 def wrap_ddp(model: nn.Module, device) -> nn.Module:
-    """DDP; on CPU, with one gradient bucket per parameter. DDP rebuilds its buckets after its
-    first step, in the order the gradients became ready: the first step after every restart
-    all-reduces another layout than the same step of an uninterrupted run, and with 3 or more
-    ranks the float sums of a gradient run in another order (a resumed run would not end
-    bitwise equal). With a bucket per parameter (a cap of 0 bytes, kept by the rebuild) each
-    gradient is summed alone, the same way in both. One all-reduce per parameter tensor: on GPU,
-    where results are not bitwise anyway, DDP keeps its own buckets."""
-    caps = {"bucket_cap_mb_list": [0]} if torch.device(device).type == "cpu" else {}
-    return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, **caps)
+    """DDP; on CPU, with buckets that never change. DDP rebuilds its buckets after its first
+    step, in the order the gradients became ready: the first step after every restart would
+    all-reduce another layout than the same step of an uninterrupted run, and with 3 or more
+    ranks the float sums of a gradient would run in another order (gloo's ring sums a bucket
+    in chunks by position; a resumed run would not end bitwise equal). DDP never rebuilds
+    with `find_unused_parameters=True`: every step keeps the first layout (DDP's default caps,
+    in the parameters' order), the same in every process. Its price per step, a walk of the
+    autograd graph and one small all-reduce (the used-parameter map), is measured against
+    DDP's default and against one bucket per parameter (figure ddp_bucket_per_param_cost,
+    docs/performance.md). DDP warns once per process that it found no unused parameters.
+    On GPU, where results are not bitwise anyway, DDP keeps its own buckets."""
+    cpu = torch.device(device).type == "cpu"
+    return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=cpu)
 
 
 def plan_evals(plan: TrialPlan, topo: Topology, train_files) -> EvalPlan:
