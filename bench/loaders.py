@@ -28,6 +28,7 @@ NUM_ROWS, NUM_FILES, BATCH = 100_000, 8, 256
 REPEATS = 9
 """Epochs of each loader for the examples/s figures, interleaved (an epoch is short: its median
 over several is what is stable)."""
+DATALOADER_PAIRS = 3
 EPOCHS = 3
 """Epochs per run of the service's loader and of the pyarrow baseline: one stream over several
 epochs, as training draws it (a stream's start and its read-ahead at the end are paid once)."""
@@ -152,7 +153,7 @@ for b in service_batches(directory, batch, batches):  # sampled after each batch
     peak = max(peak, rss())
 print(json.dumps((peak - before) / 2**20))
 """
-RSS_PAIRS = 3
+RSS_PAIRS = 5
 
 
 def rss_growth_mb(train_dir: str, batches: int) -> float:
@@ -176,7 +177,9 @@ def peak_rss_ratio(base: str, big: str) -> dict:
     before issue 21, kept in raw as `one_epoch_each_ratio`) also counted the longer run's
     retention as growth with data size; `run_length_ratio` (ten base epochs / one) shows that
     part, and would show a loader whose memory grows with the steps it serves. `RSS_PAIRS`
-    runs of each, interleaved; the value is the median of the paired ratios."""
+    runs of each, interleaved; the value is the ratio of their medians (a run's peak moves by
+    some MB with when its threads happen to hold their buffers together, not with the load),
+    raw `ratio_spread` the interquartile range of the paired ratios."""
     batches = 10 * NUM_ROWS // BATCH
     big_mb, same_mb, epoch_mb = [], [], []
     for _ in range(RSS_PAIRS):
@@ -186,7 +189,7 @@ def peak_rss_ratio(base: str, big: str) -> dict:
     ratios = paired(big_mb, same_mb)
     return figure(
         "loader_peak_rss_ratio",
-        ratios["median"],
+        median(big_mb) / median(same_mb),
         base_rows=NUM_ROWS,
         big_rows=10 * NUM_ROWS,
         batches=batches,
@@ -196,28 +199,42 @@ def peak_rss_ratio(base: str, big: str) -> dict:
         base_same_batches_runs_mb=rounded(same_mb),
         base_one_epoch_runs_mb=rounded(epoch_mb),
         ratio_spread=ratios["spread"],
-        one_epoch_each_ratio=paired(big_mb, epoch_mb)["median"],
-        run_length_ratio=paired(same_mb, epoch_mb)["median"],
+        one_epoch_each_ratio=median(big_mb) / median(epoch_mb),
+        run_length_ratio=median(same_mb) / median(epoch_mb),
         big_data_mb=10 * NUM_ROWS * (64 * 4 + 16) / 2**20,
     )
 
 
 def rates(base: str) -> dict:
-    """Examples/s and CPU per example of the service's loader, pyarrow + numpy (`EPOCHS` epochs
-    each) and DataLoader (one), interleaved (the order rotates every repeat), and the ratio of
-    the service's rate to each baseline's within each repeat: the machine is shared, and one
-    repeat's three runs see about the same load where repeats apart may not."""
-    fns = {"service": service_epochs, "pyarrow": pyarrow_epochs, "dataloader": dataloader_epoch}
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
-    names = list(fns)
-    for i in range(REPEATS):
-        for name in names[i % 3 :] + names[: i % 3]:
-            runs[name].append(examples_per_s(fns[name], base))
-    out = {name: (median([r for r, _ in v]), median([c for _, c in v])) for name, v in runs.items()}
-    for name in ("pyarrow", "dataloader"):
-        out[f"vs_{name}"] = paired([r for r, _ in runs["service"]], [r for r, _ in runs[name]])
-    out["cpu_vs_pyarrow"] = paired([c for _, c in runs["service"]], [c for _, c in runs["pyarrow"]])
+    """Examples/s and CPU per example of the service's loader against pyarrow + numpy (`EPOCHS`
+    epochs each; `REPEATS` pairs, the order alternating), then against DataLoader (one epoch;
+    `DATALOADER_PAIRS` pairs, apart: its worker processes would load the cores the other runs
+    share), and the ratio within each pair: the machine is shared, and a pair's two runs see
+    about the same load where runs apart may not."""
+    service, pyarrow = alternated(service_epochs, pyarrow_epochs, base, REPEATS)
+    service_dl, dataloader = alternated(service_epochs, dataloader_epoch, base, DATALOADER_PAIRS)
+    out = {
+        "service": (median([r for r, _ in service]), median([c for _, c in service])),
+        "pyarrow": (median([r for r, _ in pyarrow]), median([c for _, c in pyarrow])),
+        "dataloader": (median([r for r, _ in dataloader]), median([c for _, c in dataloader])),
+    }
+    out["vs_pyarrow"] = paired([r for r, _ in service], [r for r, _ in pyarrow])
+    out["cpu_vs_pyarrow"] = paired([c for _, c in service], [c for _, c in pyarrow])
+    out["vs_dataloader"] = paired([r for r, _ in service_dl], [r for r, _ in dataloader])
     return out
+
+
+def alternated(a, b, train_dir: str, pairs: int) -> tuple[list, list]:
+    """`pairs` runs of `a` and of `b` (`examples_per_s` each), a pair's order alternating."""
+    runs_a, runs_b = [], []
+    for i in range(pairs):
+        if i % 2:
+            runs_b.append(examples_per_s(b, train_dir))
+            runs_a.append(examples_per_s(a, train_dir))
+        else:
+            runs_a.append(examples_per_s(a, train_dir))
+            runs_b.append(examples_per_s(b, train_dir))
+    return runs_a, runs_b
 
 
 def paired(num: list[float], den: list[float]) -> dict:

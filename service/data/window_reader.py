@@ -22,10 +22,10 @@ from service.data.files import ParquetReader
 from service.data.sharding import RowRange
 from service.workloads.base import Workload
 
-READ_THREADS = max(1, (os.cpu_count() or 1) - 1)
-"""Row groups of a window read at once: one per core but one, which the thread consuming the
-window before (its `to_batch`, its batches' gathers) keeps; a read thread more than that only
-competes with it (each read also holds its decode buffers)."""
+READ_THREADS = os.cpu_count() or 1
+"""Row groups of a window read at once: one per core (each read holds its decode buffers). One
+core fewer, left to the thread turning the window before into batches, spends less CPU per
+example but was slower on 2 cores (docs/performance.md)."""
 
 
 @dataclass(frozen=True)
