@@ -32,7 +32,7 @@ WORLDS = (2, 3)
 MODELS = {"images": (32, (3, 32, 32), torch.uint8, 3), "digits": (32, (1, 8, 8), torch.float32, 30)}
 """workload: (rows per rank and step, one example's shape, dtype, steps per block: a few tenths
 of a second each)."""
-ROUNDS, WARMUP_STEPS = 7, 2
+ROUNDS, WARMUP_STEPS = 6, 2
 
 
 def variants(model: nn.Module) -> dict[str, nn.Module]:
