@@ -44,27 +44,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--only", nargs="+", choices=sorted(SUITES))
     args = p.parse_args(argv)
-    results = {"figures": {}}
-    if os.path.exists(RESULTS):
-        with open(RESULTS) as f:
-            results = json.load(f)
     for name in args.only or [s for s in SUITES if s not in LONG]:
         t = time.perf_counter()
         figures = importlib.import_module(SUITES[name]).run()
         when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         for fig in figures.values():
             fig["raw"]["measured_at"] = when
-        results["figures"].update(figures)
         for key, fig in figures.items():
             verdict = "info" if fig["goal"] == "informational" else "ok  " if fig["pass"] else "MISS"
             print(f"{verdict} {key} = {fig['value']:g} (goal {fig['goal']})", flush=True)
         print(f"     [{name}: {time.perf_counter() - t:.0f} s]", flush=True)
-        save(results)  # after each suite: a later failure keeps what was measured
+        save(figures)  # after each suite: a later failure keeps what was measured
     table.main()
     return 0
 
 
-def save(results: dict) -> None:
+def save(figures: dict) -> None:
+    """Merge `figures` into results.json as it is on disk now (another run may have saved
+    its figures since this one started), keeping every other figure."""
+    results = {"figures": {}}
+    if os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            results = json.load(f)
+    results["figures"].update(figures)
     results["machine"] = {
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
