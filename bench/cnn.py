@@ -39,12 +39,19 @@ HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "stages": 3, "we
 INPUT = {"workers": "processes", "num_input_workers": 1, "prefetch_batches": 4}
 """One input worker process (`process_source`, as the Ray edge passes it for `input.workers:
 processes`): the step keeps one of the 2 cores."""
+GPU_STEPS, GPU_INPUT_WORKERS = 600, 4
+"""On the GPU (`gpu_ratios`) a step takes a fraction of the CPU's: four input workers decode (the
+GPU machine has the cores; one worker leaves the step waiting for input there), and blocks are
+longer so that a trial's start does not weigh on its rate."""
 
 
-def service_row(data_dir: str, storage: str, device: str = "cpu", precision: str = "fp32") -> dict:
-    """The loop's one eval row: its steps/s and its exposed input fraction."""
+def service_row(
+    data_dir: str, storage: str, device: str = "cpu", precision: str = "fp32", steps=STEPS, workers=1
+) -> dict:
+    """The loop's one eval row: its steps/s and its exposed input fraction (`workers` input
+    worker processes)."""
     training = {
-        "max_train_steps": STEPS,
+        "max_train_steps": steps,
         "batch_size": BATCH,
         "optimizer": "sgd_momentum",
         "schedule": {"kind": "constant"},
@@ -52,9 +59,16 @@ def service_row(data_dir: str, storage: str, device: str = "cpu", precision: str
     }
     use_gpu = torch.device(device).type == "cuda"
     study = single_trial_study(
-        "bench-cnn", "images", data_dir, storage, training, HPARAMS["learning_rate"], INPUT, use_gpu
+        "bench-cnn",
+        "images",
+        data_dir,
+        storage,
+        training,
+        HPARAMS["learning_rate"],
+        {**INPUT, "num_input_workers": workers},
+        use_gpu,
     )
-    source = process_source(INPUT["num_input_workers"])
+    source = process_source(workers)
     return run_trial(study, HPARAMS, torch.device(device), batch_source=source)
 
 
@@ -67,7 +81,7 @@ def decoded(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def bare_images_per_s(x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> float:
+def bare_images_per_s(x: torch.Tensor, y: torch.Tensor, precision: str = "fp32", steps=STEPS) -> float:
     """What one writes by hand: tensors in memory (on x's device), a permutation per epoch, the
     usual 5 lines (under autocast for bf16)."""
     device = x.device
@@ -77,7 +91,7 @@ def bare_images_per_s(x: torch.Tensor, y: torch.Tensor, precision: str = "fp32")
     perm, pos = torch.randperm(len(y), device=device), 0
     synchronize(device)
     start = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(steps):
         if pos + BATCH > len(y):
             perm, pos = torch.randperm(len(y), device=device), 0
         i = perm[pos : pos + BATCH]
@@ -88,7 +102,7 @@ def bare_images_per_s(x: torch.Tensor, y: torch.Tensor, precision: str = "fp32")
         loss.backward()
         opt.step()
     synchronize(device)
-    return STEPS * BATCH / (time.perf_counter() - start)
+    return steps * BATCH / (time.perf_counter() - start)
 
 
 def synchronize(device: torch.device) -> None:
@@ -107,12 +121,11 @@ def gpu_ratios(pairs: int = 5) -> dict:
         for precision in ("fp32", "bf16"):
 
             def service(p=precision) -> dict:
-                return {
-                    "wall": service_row(f"{tmp}/data", f"{tmp}/studies", "cuda", p)["steps_per_s"] * BATCH
-                }
+                row = service_row(f"{tmp}/data", f"{tmp}/studies", "cuda", p, GPU_STEPS, GPU_INPUT_WORKERS)
+                return {"wall": row["steps_per_s"] * BATCH}
 
             def bare(p=precision) -> dict:
-                return {"wall": bare_images_per_s(x, y, p)}
+                return {"wall": bare_images_per_s(x, y, p, GPU_STEPS)}
 
             service(), bare()  # kernels' first launches, cuDNN autotuning
             paired = paired_ratio(service, bare, pairs)
@@ -123,7 +136,8 @@ def gpu_ratios(pairs: int = 5) -> dict:
                 "spread": paired["wall"]["spread"],
                 "pair_ratios": paired["wall"]["pair_ratios"],
             }
-    return {**out, "steps": STEPS, "batch_size": BATCH, "model": HPARAMS, **INPUT}
+    workers = {**INPUT, "num_input_workers": GPU_INPUT_WORKERS}
+    return {**out, "steps": GPU_STEPS, "batch_size": BATCH, "model": HPARAMS, **workers}
 
 
 def cpu_per_image(data_dir: str, x: torch.Tensor, y: torch.Tensor) -> dict:
