@@ -23,7 +23,6 @@ def connect_ray(import_path: list[str] | None = None) -> None:
     `import_path` first (a workload module of one's own, see `workloads.ray_env`)."""
     import ray
 
-    from service import workloads
     from service.orchestration.coordinator import NAMESPACE
 
     if not ray.is_initialized():
@@ -32,8 +31,31 @@ def connect_ray(import_path: list[str] | None = None) -> None:
             # other process happens to run on this machine (what address=None would join).
             address=os.environ.get("RAY_ADDRESS") or "local",
             namespace=NAMESPACE,
-            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **workloads.ray_env(import_path or [])}},
+            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **job_env(import_path or [])}},
         )
+
+
+def job_env(import_path: list[str]) -> dict[str, str]:
+    from service import workloads
+
+    return {**workloads.ray_env(import_path), **train_poll_env()}
+
+
+TRAIN_POLL_ENV, TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
+"""How often Ray Train's controller polls its workers. A worker's report waits for the next
+poll once its one unread report slot is full, so at Ray's default (2 s) every evaluation of a
+multi-worker trial after the first few waited up to that long (docs/performance.md)."""
+
+
+def train_poll_env() -> dict[str, str]:
+    """The controller's poll interval for every process of the job: the driver's own value when
+    it has one, else TRAIN_POLL_S; nothing when the Ray job's runtime env sets it (Ray refuses
+    a second value)."""
+    from service.workloads import job_env_vars
+
+    if TRAIN_POLL_ENV in job_env_vars():
+        return {}
+    return {TRAIN_POLL_ENV: os.environ.get(TRAIN_POLL_ENV, TRAIN_POLL_S)}
 
 
 def check_cluster(study: spec.Study) -> None:

@@ -72,6 +72,13 @@ def use_import_path(paths: list[str]) -> None:
         sys.path.insert(0, p)
 
 
+def job_env_vars() -> dict[str, str]:
+    """The env_vars of the Ray job's own runtime env (`ray job submit --runtime-env-json`), in a
+    submitted job's driver; empty elsewhere."""
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    return (job.get("runtime_env") or {}).get("env_vars") or {}
+
+
 def ray_env(paths: list[str], cwd: str | None = None) -> dict[str, str]:
     """The job's PYTHONPATH that puts `paths` on the import path of every Ray process of the job
     (coordinator, trials, training and input workers), ahead of the driver's own PYTHONPATH.
@@ -79,8 +86,7 @@ def ray_env(paths: list[str], cwd: str | None = None) -> dict[str, str]:
     `ray job submit --working-dir` job resolves it in its own copy of that directory) and
     absolute (a worker started elsewhere on this machine). Nothing when the Ray job's own
     runtime env sets PYTHONPATH (Ray refuses a second value): that one is used as it is."""
-    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
-    if "PYTHONPATH" in ((job.get("runtime_env") or {}).get("env_vars") or {}):
+    if "PYTHONPATH" in job_env_vars():
         return {}
     cwd = os.path.abspath(cwd or os.getcwd())
     entries = []

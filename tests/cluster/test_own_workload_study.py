@@ -21,8 +21,10 @@ import pytest
 import torch
 import yaml
 
+from service.cli.prepare import TRAIN_POLL_ENV, TRAIN_POLL_S
 from service.trainer import checkpoint
 from tests.helpers import contract_workloads as cw
+from tests.helpers.processes import EnvironWatcher
 from tests.helpers.ray_head import BIN, start_ray_head, wait_for_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
@@ -35,12 +37,17 @@ def head(tmp_path_factory):
     root = tmp_path_factory.mktemp("head")
     cwd = os.getcwd()
     os.chdir(root)
+    # As on a user's machine: Ray Train's poll interval is whatever the service sets (the
+    # tests' conftest sets one for every Ray process they start).
+    poll = os.environ.pop(TRAIN_POLL_ENV, None)
     try:
         with start_ray_head(root) as (address, gcs_address, env):
             os.chdir(cwd)
             yield address, gcs_address, {k: v for k, v in env.items() if k != "PYTHONPATH"}
     finally:
         os.chdir(cwd)
+        if poll is not None:
+            os.environ[TRAIN_POLL_ENV] = poll
 
 
 def playbook(user, env, *args, timeout=600) -> subprocess.CompletedProcess:
@@ -63,7 +70,12 @@ def run_the_study(user, env) -> None:
     out = playbook(user, env, "validate", "--data", "tabular/study.yaml")
     assert out.stdout.startswith("ok: study tabular-example: 2 round(s), 4 trials, 2 worker(s) per trial")
 
-    run = playbook(user, env, "run", "tabular/study.yaml", timeout=1200)
+    with EnvironWatcher("TrainController") as controllers:
+        run = playbook(user, env, "run", "tabular/study.yaml", timeout=1200)
+    # Every trial's Ray Train controller polls its workers at the service's interval, not Ray's
+    # 2 s (a report waits for the poll: a multi-worker trial's evaluations waited for it).
+    intervals = [e.get(TRAIN_POLL_ENV) for e in controllers.seen.values()]
+    assert intervals and set(intervals) == {TRAIN_POLL_S}, intervals
     best = re.search(r"^best checkpoint: (\S+)$", run.stdout, re.M).group(1)
     assert best != "None" and os.path.isdir(best), run.stdout[-3000:]
     study_dir = user / "studies" / "tabular-example"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 
@@ -51,3 +52,43 @@ def kill_session(sid: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class EnvironWatcher:
+    """While open, reads every `interval_s` the environment of each live process whose command
+    line contains `marker` (a Ray actor's process title, e.g. "TrainController"): `seen` maps
+    pid -> its environment, as the process was started."""
+
+    def __init__(self, marker: str, interval_s: float = 0.1):
+        self.marker, self.interval_s, self.seen = marker.encode(), interval_s, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> EnvironWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) not in self.seen:
+                    environ = _environ_if(int(entry), self.marker)
+                    if environ is not None:
+                        self.seen[int(entry)] = environ
+
+
+def _environ_if(pid: int, marker: bytes) -> dict[str, str] | None:
+    """Process `pid`'s environment when its command line contains `marker`, else None."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if marker not in f.read():
+                return None
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
