@@ -50,13 +50,7 @@ def service_row(
 ) -> dict:
     """The loop's one eval row: its steps/s and its exposed input fraction (`workers` input
     worker processes)."""
-    training = {
-        "max_train_steps": steps,
-        "batch_size": BATCH,
-        "optimizer": "sgd_momentum",
-        "schedule": {"kind": "constant"},
-        "precision": precision,
-    }
+    training = {"max_train_steps": steps, "batch_size": BATCH, "precision": precision}
     use_gpu = torch.device(device).type == "cuda"
     study = single_trial_study(
         "bench-cnn",

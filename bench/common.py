@@ -200,10 +200,16 @@ def single_trial_study(
 ):
     """The study of one fixed trial (one round, the learning rate fixed) that the step benchmarks
     run: `training` holds max_train_steps, batch_size and the rest; eval_every_steps defaults to
-    max_train_steps (one eval and checkpoint, after the timed steps)."""
+    max_train_steps (one eval and checkpoint, after the timed steps), the optimizer to SGD with
+    momentum, the schedule to a constant learning rate (what the bare loops do)."""
     from service.study import spec
 
-    training = {"eval_every_steps": training["max_train_steps"], **training}
+    training = {
+        "eval_every_steps": training["max_train_steps"],
+        "optimizer": "sgd_momentum",
+        "schedule": {"kind": "constant"},
+        **training,
+    }
     doc = {
         "name": name,
         "workload": workload,

@@ -52,7 +52,6 @@ def study(data_dir: str, storage: str, setup: Setup):
         "eval_batch_size": setup.batch,
         "metric": "validation/loss",
         "optimizer": "adamw",
-        "schedule": {"kind": "constant"},
     }
     if setup.precision != "fp32":  # a study without the field is fp32, whatever the version
         training["precision"] = setup.precision

@@ -32,13 +32,7 @@ HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 
 
 
 def service_rates(data_dir: str, storage: str, precision: str = "fp32") -> Rates:
-    training = {
-        "max_train_steps": STEPS,
-        "batch_size": BATCH,
-        "optimizer": "sgd_momentum",
-        "schedule": {"kind": "constant"},
-        "precision": precision,
-    }
+    training = {"max_train_steps": STEPS, "batch_size": BATCH, "precision": precision}
     study = single_trial_study("bench-step", "digits", data_dir, storage, training, HPARAMS["learning_rate"])
     row = run_trial(study, HPARAMS)
     return {"wall": row["steps_per_s"], "cpu": row["steps_per_cpu_s"]}
