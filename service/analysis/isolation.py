@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.ranking import is_finite, ranked_results
+from service.core.ranking import is_finite, ranked_results, results
 from service.core.trial_status import TrialStatus
 from service.study.search import HParam
 from service.study.spec import Study
@@ -138,11 +138,7 @@ def spread_of(mine: list[Mapping]) -> Spread | None:
     """The spread of one trial's repeats (in trial-name order); None if it has none."""
     if not mine:
         return None
-    values = tuple(
-        float(r["best_metric"])
-        for r in mine
-        if r.get("status") == TrialStatus.FINISHED and is_finite(r.get("best_metric"))
-    )
+    values = tuple(float(r["best_metric"]) for r in results(mine))
     diverged = sum(r.get("status") == TrialStatus.DIVERGED for r in mine)
     return Spread(str(mine[0].get("round")), values, diverged)
 
