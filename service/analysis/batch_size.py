@@ -61,6 +61,16 @@ def probe_sizes(smallest: int, largest: int, study: Study) -> list[int]:
     return sizes
 
 
+def check_options(steps: int, min_gain: float | None) -> float:
+    """The options' errors, before anything starts; returns the gain a doubling must give."""
+    if steps < 1:
+        raise SpecError(f"--steps: must be >= 1 (got {steps})")
+    min_gain = MIN_GAIN if min_gain is None else min_gain
+    if not 0 <= min_gain < 1:
+        raise SpecError(f"--min-gain: must be in [0, 1) (got {min_gain})")
+    return min_gain
+
+
 def gain(before: SizeResult, after: SizeResult) -> float:
     """How much more examples/s `after` trains than `before` (0.1: 10% more)."""
     return after.examples_per_s / before.examples_per_s - 1.0

@@ -57,8 +57,8 @@ def fit_steps(sweep, rows: list[dict], threshold: float) -> dict:
 
 def cmd_find_batch_size(args) -> int:
     from service import workloads
-    from service.analysis.batch_size import probe_sizes
-    from service.orchestration.batch_probe_task import check_options, find_batch_size
+    from service.analysis.batch_size import check_options, probe_sizes
+    from service.orchestration.batch_probe_task import find_batch_size
     from service.study.checks import check_data, check_storage
     from service.trainer.batch_probe import probe_study
 

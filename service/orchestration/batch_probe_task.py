@@ -16,7 +16,6 @@ import torch
 
 from service.analysis import batch_size
 from service.core import storage
-from service.core.errors import SpecError
 from service.orchestration.launch import batch_source
 from service.study.spec import Study
 from service.trainer import batch_probe
@@ -57,16 +56,6 @@ def measure_on_cluster(study: Study, size: int, steps: int) -> SizeResult:
         return ray.get(task.remote(study, size, steps))
     except ray.exceptions.OutOfMemoryError as e:
         return SizeResult(size, False, error=batch_probe.first_line(e))
-
-
-def check_options(steps: int, min_gain: float | None) -> float:
-    """The options' errors, before anything starts; returns the gain a doubling must give."""
-    if steps < 1:
-        raise SpecError(f"--steps: must be >= 1 (got {steps})")
-    min_gain = batch_size.MIN_GAIN if min_gain is None else min_gain
-    if not 0 <= min_gain < 1:
-        raise SpecError(f"--min-gain: must be in [0, 1) (got {min_gain})")
-    return min_gain
 
 
 def find_batch_size(
