@@ -65,22 +65,30 @@ def rebatch(chunks: Iterator[Batch | Rows], batch_size: int, keep_last: bool) ->
 
 
 def rebatch_runs(chunks: Iterator[Batch | Rows], batch_size: int, keep_last: bool) -> Iterator[list[Batch]]:
-    """`rebatch`, as one list per chunk of the batches that chunk completes."""
+    """`rebatch`, as one list per chunk of the batches that chunk completes. A chunk is dropped
+    before the next one is drawn: a window's tensors are freed before the next window's are
+    made, so that the allocator reuses their memory."""
     carry: Batch | None = None
     for chunk in chunks:
-        rows = chunk if isinstance(chunk, Rows) else Rows(chunk)
-        n, run, start = len(rows), [], 0
-        if carry is not None:
-            # Only the rows that complete the carried batch are copied, not the whole chunk.
-            start = min(n, batch_size - len(carry["label"]))
-            carry = {k: torch.cat([carry[k], v]) for k, v in rows.take(0, start).items()}
-            if len(carry["label"]) < batch_size:  # a chunk shorter than the gap
-                continue
-            run.append(carry)
-        full = start + (n - start) // batch_size * batch_size
-        run += [rows.take(s, s + batch_size) for s in range(start, full, batch_size)]
-        carry = rows.take(full, n) if full < n else None
+        run, carry = _cut(chunk if isinstance(chunk, Rows) else Rows(chunk), carry, batch_size)
+        del chunk
         if run:
             yield run
     if keep_last and carry is not None:
         yield [carry]
+
+
+def _cut(rows: Rows, carry: Batch | None, batch_size: int) -> tuple[list[Batch], Batch | None]:
+    """The batches that `rows` complete (the carried rows of the chunk before first), and the
+    rows left over."""
+    n, run, start = len(rows), [], 0
+    if carry is not None:
+        # Only the rows that complete the carried batch are copied, not the whole chunk.
+        start = min(n, batch_size - len(carry["label"]))
+        carry = {k: torch.cat([carry[k], v]) for k, v in rows.take(0, start).items()}
+        if len(carry["label"]) < batch_size:  # a chunk shorter than the gap
+            return run, carry
+        run.append(carry)
+    full = start + (n - start) // batch_size * batch_size
+    run += [rows.take(s, s + batch_size) for s in range(start, full, batch_size)]
+    return run, (rows.take(full, n) if full < n else None)

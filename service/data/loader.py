@@ -136,9 +136,12 @@ class TrainStream:
             for following in tasks:
                 table = reader.finish(started)
                 started = reader.start(following.pieces)
-                tensors = reader.to_batch(table, list(task.pieces))
+                window = self.shuffled(task, reader.to_batch(table, list(task.pieces)), stats)
                 del table  # its rows are in the tensors now
-                yield self.shuffled(task, tensors, stats)
+                yield window
+                # Dropped before the next window's tensors are made: the allocator hands their
+                # memory to the next window rather than fresh pages (faulted in, zeroed).
+                del window
                 task = following
         finally:
             reader.close()
