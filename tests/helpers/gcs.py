@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,9 +30,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _executable() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
-    return here if os.path.exists(here) else shutil.which("gcp-storage-emulator") or here
+LISTEN_BACKLOG = 128
+"""The emulator serves one connection at a time (http.server.HTTPServer) from a listen queue of
+5: gcsfs' concurrent GETs (a batched `cat`) from two processes overflow it, and each connection
+left out waits for TCP's 1 s retransmission. Real GCS has no such queue; the emulator gets a
+longer one."""
+
+_LAUNCH = (
+    "import sys, http.server; http.server.HTTPServer.request_queue_size = int(sys.argv.pop(1)); "
+    "sys.argv[0] = 'gcp-storage-emulator'; from gcp_storage_emulator.__main__ import main; sys.exit(main())"
+)
+
+
+def emulator_command(*args: str) -> list[str]:
+    """The command line of `gcp-storage-emulator ARGS`, with a listen queue of LISTEN_BACKLOG."""
+    return [sys.executable, "-c", _LAUNCH, str(LISTEN_BACKLOG), *args]
 
 
 def start_emulator(
@@ -45,8 +56,14 @@ def start_emulator(
     endpoint = f"http://127.0.0.1:{port}"
     log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [_executable(), "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "-q"]
-        + ([f"--default-bucket={default_bucket}"] if default_bucket else []),
+        emulator_command(
+            "start",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            "--in-memory",
+            "-q",
+            *([f"--default-bucket={default_bucket}"] if default_bucket else []),
+        ),  # fmt: skip
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -19,6 +19,7 @@ import pytest
 from service.core import storage
 from service.orchestration.study_metrics import StudyMetrics
 from service.tracking import study_index
+from tests.helpers.gcs import emulator_command
 from tests.helpers.processes import free_ports
 
 WRITER = """
@@ -112,11 +113,12 @@ def test_two_processes_recording_at_once_lose_no_rows(tmp_path):
 def gcs_emulator(monkeypatch):
     (port,) = free_ports(1)
     proc = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "start", "--host=127.0.0.1",
-         f"--port={port}", "--in-memory", "--default-bucket=bkt"],
+        emulator_command(
+            "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "--default-bucket=bkt"
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
