@@ -93,11 +93,7 @@ def update(ctx: TrialContext) -> None:
     verdict suggests a threshold from it) and nothing is clipped."""
     ctx.precision.unscale(ctx.optimizer)
     if ctx.clip_norm is None:
-        # The optimizer's lists hold every parameter once: no walk of the module tree per step.
-        params = (p for group in ctx.optimizer.param_groups for p in group["params"])
-        grads = [p.grad for p in params if p.grad is not None]
-        ctx.tally.add_grad_norm(torch.nn.utils.get_total_norm(grads), math.inf)
+        ctx.tally.add_grad_norm(ctx.grad_norm.norm(), math.inf)
     else:
-        norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_norm)
-        ctx.tally.add_grad_norm(norm, ctx.clip_norm)
+        ctx.tally.add_grad_norm(ctx.grad_norm.clip(ctx.clip_norm), ctx.clip_norm)
     ctx.precision.step(ctx.optimizer)
