@@ -120,8 +120,18 @@ class WindowReader:
 
     def start(self, pieces: tuple[Piece, ...]) -> list[Future]:
         """Start reading the pieces on the reader's threads (a window read ahead, while the
-        caller works on the one before); `finish` takes their rows."""
-        return [self._threads().submit(_timed, self._cached_read, p) for p in pieces]
+        caller works on the one before); `finish` takes their rows. A piece in the cache is
+        not sent to a thread: its future is done already."""
+        return [self._started(p) for p in pieces]
+
+    def _started(self, p: Piece) -> Future:
+        table = self.cache.get(p) if self.cache is not None else None
+        if table is None:
+            return self._threads().submit(_timed, self._cached_read, p)
+        done: Future = Future()
+        now = time.perf_counter()
+        done.set_result((table, now, now))
+        return done
 
     def finish(self, started: list[Future]) -> pa.Table:
         """The rows of a started window, in piece order (waits for its reads). Its read time

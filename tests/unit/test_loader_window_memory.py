@@ -1,6 +1,7 @@
-"""The training stream frees a window's tensors before it makes the next window's, so that the
-allocator hands their memory to the next window instead of fresh pages (and the stream holds
-one window's tensors, not two)."""
+"""Per-window costs of the training stream: it frees a window's tensors before it makes the next
+window's (the allocator hands their memory to the next window instead of fresh pages, and the
+stream holds one window's tensors, not two), and a window served from the cache is not sent to
+the reading threads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import weakref
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from service.data.files import list_files
 from service.data.prefetch import prefetch_stream
@@ -61,3 +63,32 @@ def test_a_window_is_freed_before_the_next_one_is_made(tmp_path):
         assert len(workload.alive_at_call) >= 20
         assert workload.alive_at_call == [0] * len(workload.alive_at_call), prefetched
         assert len(held) == 66
+
+
+def test_a_cached_window_is_not_sent_to_the_reading_threads(tmp_path, monkeypatch):
+    """With the shard cached (input.cache_mb), the pieces of a window after the first epoch are
+    taken from the cache on the stream's own thread: nothing is submitted to the reading
+    threads, and the batches are the uncached stream's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.data.loader import TrainStream
+
+    submitted = []
+    real_submit = ThreadPoolExecutor.submit
+
+    def counted(self, fn, *args, **kwargs):
+        submitted.append(fn)
+        return real_submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", counted)
+    ranges = shard(tmp_path)  # 8 pieces of 10 rows: an epoch is 80 rows, 10 batches of 8
+    cached = TrainStream(Digits(), ranges, 8, data_seed=5, cache_bytes=1 << 20).iterate(0)
+    plain = TrainStream(Digits(), ranges, 8, data_seed=5).iterate(0)
+    first = [next(cached) for _ in range(10)]
+    after_first = len(submitted)
+    later = [next(cached) for _ in range(20)]
+    assert after_first >= 8  # the first epoch read every piece on the threads
+    assert len(submitted) <= after_first + 2  # at most the 2nd epoch's first window read ahead
+    for got in first + later:
+        want = next(plain)
+        assert all(torch.equal(got[k], want[k]) for k in want)
