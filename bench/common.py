@@ -35,7 +35,8 @@ GOALS = {
     "loader_vs_pyarrow": (
         ">=",
         0.9,
-        "loader examples/s / pyarrow.parquet.read_table + numpy (median of interleaved pairs)",
+        "loader examples/s / pyarrow.parquet.read_table + numpy (median of interleaved pairs of"
+        " 10-epoch runs, after an untimed run of each)",
     ),
     "loader_vs_dataloader": (">=", 1.0, "loader examples/s / torch DataLoader(num_workers=2)"),
     "exposed_input_fraction": (

@@ -25,13 +25,15 @@ from bench.common import figure, write_digits_like
 from bench.loader_adapter import heavy_preprocess, service_batches
 
 NUM_ROWS, NUM_FILES, BATCH = 100_000, 8, 256
-REPEATS = 9
-"""Epochs of each loader for the examples/s figures, interleaved (an epoch is short: its median
-over several is what is stable)."""
+REPEATS = 15
+"""Pairs of runs (service, pyarrow) for loader_vs_pyarrow, the order alternating."""
 DATALOADER_PAIRS = 3
-EPOCHS = 3
+EPOCHS = 10
 """Epochs per run of the service's loader and of the pyarrow baseline: one stream over several
-epochs, as training draws it (a stream's start and its read-ahead at the end are paid once)."""
+epochs, as training draws it. A stream's fixed costs (its threads, the footers, the first
+window read before any batch, the window read ahead and dropped at close) are paid once per
+run, as a trial pays them once; over 3 epochs (before issue 21's last change) they were a large
+share of a run's CPU, so the figure measured the run length as much as the loader."""
 EXPOSED_REPEATS = 3
 STEPS = 300
 """Steps of the exposed-input loop: three windows of rows, so the input must keep up."""
@@ -84,8 +86,8 @@ def dataloader_epoch(train_dir: str) -> int:
 
 
 def service_epochs(train_dir: str) -> int:
-    """`EPOCHS` epochs of the service's loader, one stream (closed at the end, its read-ahead
-    included)."""
+    """`EPOCHS` epochs of the service's loader, one stream (opened in the run and closed at its
+    end, the window read ahead past the last batch included)."""
     return sum(len(b["label"]) for b in service_batches(train_dir, BATCH, EPOCHS * NUM_ROWS // BATCH))
 
 
@@ -225,7 +227,12 @@ def rates(base: str) -> dict:
 
 
 def alternated(a, b, train_dir: str, pairs: int) -> tuple[list, list]:
-    """`pairs` runs of `a` and of `b` (`examples_per_s` each), a pair's order alternating."""
+    """`pairs` runs of `a` and of `b` (`examples_per_s` each), a pair's order alternating,
+    after one untimed run of each: the first use in a process of a side's parts (pyarrow's
+    dataset code and thread pool, the first torch ops, the collector's first sweeps over the
+    objects they make) would go to the first pair only."""
+    a(train_dir)
+    b(train_dir)
     runs_a, runs_b = [], []
     for i in range(pairs):
         if i % 2:
@@ -272,6 +279,7 @@ def run() -> dict:
                 rows=NUM_ROWS,
                 batch_size=BATCH,
                 repeats=REPEATS,
+                epochs_per_run=EPOCHS,
                 load_avg_1m=os.getloadavg()[0],
             ),
             "loader_vs_dataloader": figure(
