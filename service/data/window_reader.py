@@ -125,7 +125,8 @@ class WindowReader:
         return [self._started(p) for p in pieces]
 
     def _started(self, p: Piece) -> Future:
-        table = self.cache.get(p) if self.cache is not None else None
+        cache = self.cache  # once: a reading thread may drop the cache meanwhile
+        table = cache.get(p) if cache is not None else None
         if table is None:
             return self._threads().submit(_timed, self._cached_read, p)
         done: Future = Future()
