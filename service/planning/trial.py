@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,9 @@ class TrialPlan:
     def trial_seed(self) -> int:
         return self.study.training.seed if self.seed is None else self.seed
 
-    @property
+    @functools.cached_property
     def lr_schedule(self) -> Schedule:
+        """Worked out once (the step loop reads it every step)."""
         return self.schedule or schedules.for_trial(self.study.training.schedule, self.hparams)
 
     @property
