@@ -8,10 +8,15 @@ thread in this process and in the input worker, the median of the pairs' ratios)
 loop's own `input/exposed_fraction`).
 
 The service does more work per image than the bare loop: the input worker decodes and augments
-every image on another core. Its CPU seconds per image are in the raw figures
-(`decode_augment_cpu_s_per_image`, against the bare step's `bare_cpu_s_per_image`), with
+every image on another core. Its CPU seconds per image are in the raw figures (decoding and
+augmentation, `decode_augment_cpu_s_per_image`; the worker's whole job with reading, shuffling
+and pickling, `worker_cpu_s_per_image`; against the bare step's `bare_cpu_s_per_image`), with
 `cpu_bound_ratio`, the ratio to expect where no core is idle for the worker (a 2-CPU host that
-other processes share): bare / (bare + decode and augment).
+other processes share): bare / (bare + the worker's job). Raw `cpu_ratio` is the same pairs
+counted in CPU seconds: the service charged with its process's CPU over its timed steps and, per
+image, the input worker's whole job measured here (`worker_cpu_s_per_image`: read, decode,
+augment, shuffle, pickle); the bare loop with its own. It is what the service costs per image,
+less moved by other processes' load than the wall clock.
 
     python -m bench.cnn
 """
@@ -19,7 +24,9 @@ other processes share): bare / (bare + decode and augment).
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import pickle
 import statistics
 import tempfile
 import time
@@ -31,8 +38,11 @@ from PIL import Image
 
 from bench.common import figure, paired_ratio, run_trial, single_trial_study
 from service import workloads
+from service.data.files import list_files
 from service.data.images import write_images
+from service.data.loader import TrainStream, WindowReader
 from service.data.process_input import process_source
+from service.data.sharding import RowRange
 
 COUNT, STEPS, BATCH, PAIRS, THREADS = 4000, 60, 64, 9, 1
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "stages": 3, "weight_decay": 0.0}
@@ -134,25 +144,66 @@ def gpu_ratios(pairs: int = 5) -> dict:
     return {**out, "steps": GPU_STEPS, "batch_size": BATCH, "model": HPARAMS, **workers}
 
 
-def cpu_per_image(data_dir: str, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """CPU seconds per image (this process, one thread) of the input worker's work -- the
-    workload's `to_batch` (PNG decoding) and `augment` over the training files -- and of a
-    bare block's step; their `cpu_bound_ratio` (see the module docstring)."""
+def cpu_per_image(data_dir: str, x: torch.Tensor, y: torch.Tensor, repeats: int = 3) -> dict:
+    """CPU seconds per image (this process, one thread), each the median of `repeats` passes (the
+    worker decodes without pause; a first pass also pays for fresh pages): the workload's
+    `to_batch` (PNG decoding) and `augment` over the training files; the input worker's whole
+    job (`worker_cpu_s_per_image`); and a bare block's step. Their `cpu_bound_ratio` (see the
+    module docstring)."""
     workload = workloads.get("images")
     table = pq.read_table(f"{data_dir}/train")
-    start = time.process_time()
-    batch = workload.to_batch(table)
-    batch["example_id"] = torch.from_numpy(table.column("example_id").to_numpy())
-    workload.augment(batch, HPARAMS, 0, 0)
-    decode = (time.process_time() - start) / table.num_rows
+    ids = torch.from_numpy(table.column("example_id").to_numpy())
+    decode, augment, worker = [], [], []
+    for _ in range(repeats):
+        start = time.process_time()
+        batch = workload.to_batch(table)
+        decode.append((time.process_time() - start) / table.num_rows)
+        start = time.process_time()
+        workload.augment({**batch, "example_id": ids}, HPARAMS, 0, 0)
+        augment.append((time.process_time() - start) / table.num_rows)
+        worker.append(worker_cpu_s_per_image(data_dir))
     start = time.process_time()
     bare_images_per_s(x, y)
     bare = (time.process_time() - start) / (STEPS * BATCH)
+    both = statistics.median(decode) + statistics.median(augment)
     return {
-        "decode_augment_cpu_s_per_image": decode,
+        "decode_cpu_s_per_image": statistics.median(decode),
+        "augment_cpu_s_per_image": statistics.median(augment),
+        "decode_augment_cpu_s_per_image": both,
+        "worker_cpu_s_per_image": statistics.median(worker),
         "bare_cpu_s_per_image": bare,
-        "cpu_bound_ratio": bare / (bare + decode),
+        "cpu_bound_ratio": bare / (bare + statistics.median(worker)),
     }
+
+
+def worker_cpu_s_per_image(data_dir: str) -> float:
+    """What an input worker process does for one epoch's windows, here (`process_input._load`:
+    read, decode, augment and shuffle a window, pickle its arrays), per image."""
+    ranges = [RowRange(f, 0, f.num_rows) for f in list_files(f"{data_dir}/train")]
+    stream = TrainStream(workloads.get("images"), ranges, BATCH, 0, hparams=HPARAMS)
+    reader = WindowReader(stream.workload)
+    tasks = list(itertools.takewhile(lambda t: t.epoch == 0, stream.plan(0)))
+    start = time.process_time()
+    for task in tasks:
+        pickle.dumps({k: v.numpy() for k, v in stream.load(task, reader).items()}, pickle.HIGHEST_PROTOCOL)
+    reader.close()
+    return (time.process_time() - start) / stream.num_examples
+
+
+def service_rates(row: dict, worker_cpu_s_per_image: float) -> dict:
+    """Images per wall second (the loop's own clock) and per CPU second of the service: this
+    process's (`steps_per_cpu_s`: the step, the batches' arrival) and its input worker's, at
+    `worker_cpu_s_per_image`."""
+    return {
+        "wall": row["steps_per_s"] * BATCH,
+        "cpu": 1 / (1 / (row["steps_per_cpu_s"] * BATCH) + worker_cpu_s_per_image),
+    }
+
+
+def bare_rates(x: torch.Tensor, y: torch.Tensor) -> dict:
+    start = time.process_time()
+    wall = bare_images_per_s(x, y)
+    return {"wall": wall, "cpu": STEPS * BATCH / (time.process_time() - start)}
 
 
 def run() -> dict:
@@ -161,13 +212,13 @@ def run() -> dict:
 
     def service() -> dict:
         rows.append(service_row(f"{tmp}/data", f"{tmp}/studies"))
-        return {"wall": rows[-1]["steps_per_s"] * BATCH}
+        return service_rates(rows[-1], cpu["worker_cpu_s_per_image"])
 
     with tempfile.TemporaryDirectory(prefix="playbook-bench-cnn-") as tmp:
         write_images(f"{tmp}/data", COUNT, seed=0)
         x, y = decoded(f"{tmp}/data")
-        paired = paired_ratio(service, lambda: {"wall": bare_images_per_s(x, y)}, PAIRS)
         cpu = cpu_per_image(f"{tmp}/data", x, y)
+        paired = paired_ratio(service, lambda: bare_rates(x, y), PAIRS)
     exposed = statistics.median(r["input/exposed_fraction"] for r in rows)
     raw = {"steps": STEPS, "batch_size": BATCH, "pairs": PAIRS, "threads": THREADS, "images": COUNT, **INPUT}
     return {
@@ -179,6 +230,8 @@ def run() -> dict:
             spread=paired["wall"]["spread"],
             pair_ratios=paired["wall"]["pair_ratios"],
             load_avg_1m=paired["load_avg_1m"],
+            cpu_ratio=paired["cpu"]["ratio"],
+            cpu_pair_ratios=paired["cpu"]["pair_ratios"],
             **cpu,
             **raw,
         ),
