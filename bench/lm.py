@@ -127,8 +127,10 @@ def measure(setup: Setup, pairs: int = PAIRS, corpus_bytes: int = CORPUS_BYTES) 
     value, wall = paired["wall" if cuda else "cpu"], paired["wall"]
     return {
         "ratio": value["ratio"],
-        "service_tokens_per_s": wall["service"] * tokens,
-        "bare_tokens_per_s": wall["baseline"] * tokens,
+        "service_tokens_per_s": value["service"] * tokens,
+        "bare_tokens_per_s": value["baseline"] * tokens,
+        "baseline_unit": "tokens/s" if cuda else "tokens/CPU s",
+        "wall_tokens_per_s": [wall["service"] * tokens, wall["baseline"] * tokens],
         "spread": value["spread"],
         "pair_ratios": value["pair_ratios"],
         "wall_ratio": round(wall["ratio"], 4),

@@ -49,6 +49,7 @@ def markdown(results: dict) -> str:
         raw = ""
         if key in BASELINES:
             a, b, unit = BASELINES[key]
+            unit = f["raw"].get("baseline_unit", unit)  # what the value counts (a CPU ratio: per CPU second)
             raw = f"{_num(f['raw'][a])} / {_num(f['raw'][b])} {unit}"
         met = "—" if f["goal"] == "informational" else "yes" if f["pass"] else "**no**"
         when = f["raw"].get("measured_at", "?")[:10]
