@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         figures = importlib.import_module(SUITES[name]).run()
         when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        elapsed = time.perf_counter() - t
         for fig in figures.values():
             fig["raw"]["measured_at"] = when
+            fig["raw"]["suite_s"] = round(elapsed)  # how long its suite ran (make bench's length)
         for key, fig in figures.items():
             verdict = "info" if fig["goal"] == "informational" else "ok  " if fig["pass"] else "MISS"
             print(f"{verdict} {key} = {fig['value']:g} (goal {fig['goal']})", flush=True)
-        print(f"     [{name}: {time.perf_counter() - t:.0f} s]", flush=True)
+        print(f"     [{name}: {elapsed:.0f} s]", flush=True)
         save(figures)  # after each suite: a later failure keeps what was measured
     table.main()
     return 0
