@@ -64,12 +64,21 @@ def latest_state(study):
     return CheckpointStore(trial_dir(study), 2, tr.metric, tr.mode).latest_state()
 
 
-@pytest.mark.parametrize("rank", [1, 0], ids=["pool-actor", "trial-process"])
-def test_killed_pool_worker_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path, rank):
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
+    """The same study run without a kill, once for both cases: (study, its one row)."""
     from service.orchestration.coordinator import run_study
 
-    reference = study_in(digits_dir, tmp_path / "reference")
+    reference = study_in(digits_dir, tmp_path_factory.mktemp("reference"))
     (ref_row,) = run_study(reference)
+    return reference, ref_row
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["pool-actor", "trial-process"])
+def test_killed_pool_worker_resumes_to_the_same_result(uninterrupted, digits_dir, tmp_path, rank):
+    from service.orchestration.coordinator import run_study
+
+    reference, ref_row = uninterrupted
 
     study = study_in(digits_dir, tmp_path / "killed")
     outcome = {}
