@@ -37,11 +37,12 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
     storage = tmp_path / "storage"
     work = tmp_path / "work"
     work.mkdir()
-    # Long enough (tens of seconds per trial on the single-worker fast path) for a status call,
-    # which connects to the cluster each time, to find the coordinator running.
-    steps = 24000
+    # Long enough (about ten seconds per trial on the single-worker fast path) for a status
+    # call, which connects to the cluster each time, to find the coordinator running: the
+    # calls start once the first trial has (its topology.json), with both trials' training left.
+    steps = 12000
     study = study_dict(
-        digits_dir, storage, name="submitted", training={"max_train_steps": steps, "eval_every_steps": 6000}
+        digits_dir, storage, name="submitted", training={"max_train_steps": steps, "eval_every_steps": 3000}
     )
     (work / "study.yaml").write_text(yaml.safe_dump(study))
 
@@ -66,12 +67,13 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
     # While it runs, `playbook status` (a laptop with RAY_ADDRESS) asks the live coordinator.
     status_env = {**env, "RAY_ADDRESS": gcs_address}
     seen_live, state = False, ""
+    first_trial = storage / "submitted" / "trials" / "explore-0000" / "topology.json"
     deadline = time.time() + 480
     while time.time() < deadline:
         state = job_state(address, job_id, env)
         if state in ("SUCCEEDED", "FAILED", "STOPPED"):
             break
-        if not seen_live:
+        if not seen_live and os.path.exists(first_trial):
             st = subprocess.run(
                 [sys.executable, "-m", "service", "status", "submitted", "--storage", str(storage)],
                 env=status_env,
@@ -80,7 +82,7 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
                 timeout=120,
             )
             seen_live = st.returncode == 0 and "study submitted: running" in st.stdout
-        time.sleep(2)
+        time.sleep(0.5)
     logs = job_logs(address, job_id, env)
     assert state == "SUCCEEDED", logs[-4000:]
     assert seen_live, "playbook status never reached the running coordinator"
