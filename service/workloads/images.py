@@ -2,15 +2,17 @@
 RGB images of `playbook data images` (service/data/images.py).
 
 `images` reads the `png` column and decodes it in `to_batch`, online, on the loader's thread
-(or its input workers): the realistic input-bound case. `images_decoded` reads the same images
-already decoded (`pixels`: 3,072 uint8 values a row, channels first), which `playbook preprocess
-SRC DEST --workload images_decoded` writes from the PNG data, once, offline.
+(or its input workers), a batch of images at a time (`png.PngDecoder`): the realistic
+input-bound case. `images_decoded` reads the same images already decoded (`pixels`: 3,072
+uint8 values a row, channels first), which `playbook preprocess SRC DEST --workload
+images_decoded` writes from the PNG data, once, offline.
 
 Both augment the training stream, never evaluation (`augment`): a random crop of the image
 padded by PAD zero pixels on each side, and a horizontal flip with probability 1/2, drawn for
 each example from (the rank's data seed, the epoch, the example's id) by a counter-based hash
 (`draws`). So an example's augmentation does not depend on which window, batch or worker it
-lands in, and the batch of step s stays a pure function of s (resume is bitwise).
+lands in, and the batch of step s stays a pure function of s (resume is bitwise). The crops
+and flips of a window are cut in one vectorised pass (`crop_and_flip`).
 """
 
 from __future__ import annotations
