@@ -3,7 +3,15 @@ exposed input time with CPU-heavy preprocessing, and the peak RSS growth of an e
 larger dataset against that of as many batches on the base one.
 
 The machine is shared with other work: each ratio is the median of ratios of runs interleaved
-in pairs (a pair's runs see about the same load), and raw keeps their spread."""
+in pairs (a pair's runs see about the same load), and raw keeps their spread.
+
+How loader_vs_pyarrow moves with the load: over runs of several epochs the loader spends about
+the CPU per example that the baseline does (raw `cpu_per_example_ratio`), so on a quiet machine
+the ratio is near 1. With other processes on the cores it rises: the loader keeps several
+threads runnable (reading threads, prefetch thread, consumer) where the baseline keeps mostly one
+busy (its epoch's wall time is about its CPU time), and the scheduler shares the cores by thread.
+The spread between pairs is the load changing between a pair's two runs (a side's wall time
+varies severalfold between runs of the same CPU time); their median is what is stable."""
 
 from __future__ import annotations
 
