@@ -130,12 +130,13 @@ class NoCheckpoints:
 def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
     """The same study on the Ray session cluster (the fast path trains inside a Tune trial, a
     Ray worker process whose main module is Ray's): worker processes start there too, and the
-    trial logs what the in-process loop with the thread loader logs."""
+    trial logs what the in-process loop with the thread loader logs (the same trial config, on
+    one thread as a fast-path trial of one CPU)."""
     from service.orchestration.coordinator import run_study
+    from service.planning.rounds import plan_round
     from tests.helpers.studies import study_dict
 
-    logs = {}
-    for workers in ("local", "processes"):
+    def study_of(workers: str):
         raw = study_dict(
             digits_dir,
             tmp_path / workers,
@@ -149,14 +150,24 @@ def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
             rounds=[{"name": "r1", "kind": "grid", "num_trials": 1}],
         )
         raw["input"] = {"workers": workers, "num_input_workers": 1}
-        study = spec.load_dict(raw)
-        rows = run_study(study)
-        assert [r["status"] for r in rows] == ["FINISHED"], rows
-        with open(tmp_path / workers / f"ray-{workers}" / "trials" / "r1-0000" / "metrics.jsonl") as f:
-            logs[workers] = [
-                {k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS}
-                for line in f
-                if line.strip()
-            ]
-    assert [r["step"] for r in logs["local"]] == [20, 40]
-    assert logs["processes"] == logs["local"]
+        return spec.load_dict(raw)
+
+    def log_of(plan: TrialPlan) -> list[dict]:
+        with open(plan.metrics_uri) as f:
+            return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
+
+    study = study_of("processes")
+    rows = run_study(study)
+    assert [r["status"] for r in rows] == ["FINISHED"], rows
+    local = study_of("local")
+    ((config,), (local_config,)) = (plan_round(s, s.rounds[0], []) for s in (study, local))
+    local_plan = TrialPlan.from_config(local, local_config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(local_plan, Topology(), NoCheckpoints())
+    finally:
+        torch.set_num_threads(threads)
+    want = log_of(local_plan)
+    assert [r["step"] for r in want] == [20, 40]
+    assert log_of(TrialPlan.from_config(study, config)) == want
