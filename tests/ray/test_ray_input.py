@@ -35,8 +35,9 @@ def test_ray_data_batches_are_the_local_batches(ray_cluster, digits_dir):
 
 
 def test_a_ray_train_trial_through_ray_data_equals_the_local_one(ray_cluster, digits_dir, tmp_path):
-    """Two Ray Train runs of one trial, the loader local to the worker vs Ray Data input workers
-    injected by the launch edge: the same metrics log, bit for bit."""
+    """A Ray Train run of one trial with Ray Data input workers injected by the launch edge, and
+    the same trial in the loop in-process with its local loader (one torch thread, as the run's
+    one-CPU worker): the same metrics log, bit for bit."""
     from service.orchestration import launch
 
     logs, raw = {}, {}
@@ -57,7 +58,10 @@ def test_a_ray_train_trial_through_ray_data_equals_the_local_one(ray_cluster, di
             }
         )
         plan = TrialPlan(study, "r1-0", "r1", {"learning_rate": 0.1, "width": 4}, max_train_steps=30)
-        launch.run_single(plan)
+        if workers == "ray_data":
+            launch.run_single(plan)
+        else:
+            train_in_process(plan)
         with open(plan.metrics_uri) as f:
             raw[workers] = [json.loads(line) for line in f]
         logs[workers] = [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in raw[workers]]
@@ -66,3 +70,26 @@ def test_a_ray_train_trial_through_ray_data_equals_the_local_one(ray_cluster, di
     assert all(r["input/read_s"] == 0 for r in raw["ray_data"])
     assert all(r["input/read_s"] > 0 for r in raw["local"])
     assert [r["step"] for r in logs["local"]] == [15, 30]
+
+
+def train_in_process(plan: TrialPlan) -> None:
+    """The trial in the loop in this process, on one torch thread as a one-CPU worker trains."""
+    from service.trainer.loop import train
+    from service.trainer.topology import Topology
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(plan, Topology(), NoCheckpoints())
+    finally:
+        torch.set_num_threads(threads)
+
+
+class NoCheckpoints:
+    """A reporter that keeps nothing (the metrics log is what the test compares)."""
+
+    def report(self, metrics, checkpoint_dir):
+        pass
+
+    def restore(self):
+        return None
