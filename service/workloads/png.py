@@ -75,10 +75,13 @@ class PngDecoder:
                 return None
             idat.append(view[pos + 8 : stop])
             pos = stop + 4
-        try:
-            raw = zlib.decompress(b"".join(idat))
+        inflate = zlib.decompressobj()
+        try:  # at most one byte past the image: a stream that inflates to more goes to Pillow
+            raw = inflate.decompress(b"".join(idat), self.size * self.row_bytes + 1)
         except zlib.error:
             return None
+        if not inflate.eof or inflate.unused_data:
+            return None  # cut short, longer than the image, or bytes after the stream
         if len(raw) != self.size * self.row_bytes or max(raw[:: self.row_bytes]) > 4:
             return None  # short or long, or a filter type PNG does not define
         return raw

@@ -146,3 +146,21 @@ def test_other_pngs_go_to_pillow_with_the_same_pixels_and_errors():
         decoder.decode([hand_png(rng, 0, size=16)])
     with pytest.raises(ValueError, match="not a PNG image"):
         decoder.decode([good, good[:-30]])  # truncated
+
+
+def test_a_stream_that_inflates_past_the_image_is_not_inflated_whole():
+    """A PNG whose IDAT stream inflates to far more than a SIZE x SIZE image (a decompression
+    bomb, or garbage after the scanlines) leaves the fast path after one byte too many: it is
+    never held inflated in memory (Pillow's full path, with its own limits, decides)."""
+    import tracemalloc
+
+    ihdr = SIZE.to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])
+    stream = zlib.compress(bytes(64 << 20), 9)  # 64 MiB of zero bytes: valid filter type 0 rows
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", stream) + chunk(b"IEND", b"")
+    tracemalloc.start()
+    try:
+        assert PngDecoder(SIZE).scanlines(bomb) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
