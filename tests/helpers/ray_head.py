@@ -91,7 +91,7 @@ def wait_for_dashboard(address: str, proc: subprocess.Popen, log_path, timeout_s
             if time.time() > deadline or proc.poll() is not None:
                 tail = open(log_path).read()[-2000:]
                 raise RuntimeError(f"ray head did not start: {tail}") from None
-            time.sleep(1)
+            time.sleep(0.2)
 
 
 @contextlib.contextmanager
