@@ -103,3 +103,26 @@ def plain_loop_parts(plan: TrialPlan):
         data_seed(plan.trial_seed, 0, 0),
     )
     return workload, model, optimizer, stream
+
+
+class NoCheckpoints:
+    """A reporter that keeps nothing (the metrics log is what a test compares)."""
+
+    def report(self, metrics, checkpoint_dir):
+        pass
+
+    def restore(self):
+        return None
+
+
+def train_in_process(plan: TrialPlan) -> None:
+    """The trial in the loop in this process, on one torch thread as a one-CPU worker trains."""
+    from service.trainer.loop import train
+    from service.trainer.topology import Topology
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(plan, Topology(), NoCheckpoints())
+    finally:
+        torch.set_num_threads(threads)

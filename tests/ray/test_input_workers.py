@@ -24,6 +24,7 @@ from service.trainer.loop import TIMING_FIELDS, train
 from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers.parquet_files import corrupt_column
+from tests.helpers.trainer_runs import NoCheckpoints, train_in_process
 
 
 class BrokenDigits(Digits):
@@ -116,16 +117,6 @@ def test_a_trial_on_worker_processes_trains_as_on_the_thread_loader(digits_dir, 
     assert logs["processes"] == logs["local"]
 
 
-class NoCheckpoints:
-    """A reporter that keeps nothing (the metrics log is what the test compares)."""
-
-    def report(self, metrics, checkpoint_dir):
-        pass
-
-    def restore(self):
-        return None
-
-
 @pytest.mark.ray
 def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
     """The same study on the Ray session cluster (the fast path trains inside a Tune trial, a
@@ -162,12 +153,7 @@ def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
     local = study_of("local")
     ((config,), (local_config,)) = (plan_round(s, s.rounds[0], []) for s in (study, local))
     local_plan = TrialPlan.from_config(local, local_config)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(local_plan, Topology(), NoCheckpoints())
-    finally:
-        torch.set_num_threads(threads)
+    train_in_process(local_plan)
     want = log_of(local_plan)
     assert [r["step"] for r in want] == [20, 40]
     assert log_of(TrialPlan.from_config(study, config)) == want

@@ -16,6 +16,7 @@ from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import TIMING_FIELDS
 from service.workloads.digits import Digits
+from tests.helpers.trainer_runs import train_in_process
 
 pytestmark = pytest.mark.ray
 
@@ -70,26 +71,3 @@ def test_a_ray_train_trial_through_ray_data_equals_the_local_one(ray_cluster, di
     assert all(r["input/read_s"] == 0 for r in raw["ray_data"])
     assert all(r["input/read_s"] > 0 for r in raw["local"])
     assert [r["step"] for r in logs["local"]] == [15, 30]
-
-
-def train_in_process(plan: TrialPlan) -> None:
-    """The trial in the loop in this process, on one torch thread as a one-CPU worker trains."""
-    from service.trainer.loop import train
-    from service.trainer.topology import Topology
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(plan, Topology(), NoCheckpoints())
-    finally:
-        torch.set_num_threads(threads)
-
-
-class NoCheckpoints:
-    """A reporter that keeps nothing (the metrics log is what the test compares)."""
-
-    def report(self, metrics, checkpoint_dir):
-        pass
-
-    def restore(self):
-        return None
