@@ -22,11 +22,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 STEPS, EVERY, TRIAL = 1500, 150, "explore-0000"
 
 
-def study_in(digits_dir, storage):
+def study_in(digits_dir, storage, name="fast-faults"):
     return make_study(
         digits_dir,
         storage,
-        name="fast-faults",
+        name=name,
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY, "num_checkpoints_to_keep": 2},
         rounds=[{"name": "explore", "num_trials": 1}],
     )
@@ -55,8 +55,11 @@ def complete_steps(study) -> list[int]:
 def test_killed_trial_process_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path):
     from service.orchestration.coordinator import run_study
 
-    reference = study_in(digits_dir, tmp_path / "reference")
-    (ref_row,) = run_study(reference)
+    # The uninterrupted reference runs beside the killed study (one CPU each, on its own name).
+    reference = study_in(digits_dir, tmp_path / "reference", name="fast-faults-reference")
+    ref_outcome = {}
+    ref_runner = threading.Thread(target=lambda: ref_outcome.update(rows=run_study(reference)))
+    ref_runner.start()
 
     study = study_in(digits_dir, tmp_path / "killed")
     outcome = {}
@@ -73,7 +76,9 @@ def test_killed_trial_process_resumes_to_the_same_result(ray_cluster, digits_dir
             killed_after = log(study)[-1]["step"]
         time.sleep(0.05)
     runner.join(timeout=400)
+    ref_runner.join(timeout=400)
     assert pid is not None and killed_after < STEPS, "the trial was never killed mid-run"
+    (ref_row,) = ref_outcome["rows"]
 
     with open(os.path.join(trial_dir(study), "topology.json")) as f:
         restarted = json.load(f)["ranks"][0]
