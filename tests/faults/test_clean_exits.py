@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import pytest
@@ -41,55 +41,14 @@ def playbook(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
-FORKED_RUNS = """
-import gc, json, os, runpy, sys
-import pandas, service.cli, service.study.checks  # a run's imports, once: each fork runs it and exits
-gc.freeze()  # the imported objects: a child's collections do not walk (and copy) them
-runs, at_once, out, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-running, statuses = {}, {}
-for i in range(runs):
-    if len(running) == at_once:
-        pid, status = os.wait()
-        statuses[running.pop(pid)] = status
-    pid = os.fork()
-    if pid == 0:  # as `python -m service ARGS > i.out 2> i.err`, to the interpreter's exit
-        for fd, name in ((1, f"{i}.out"), (2, f"{i}.err")):
-            os.dup2(os.open(os.path.join(out, name), os.O_WRONLY | os.O_CREAT), fd)
-        sys.argv = ["service", *args]
-        runpy.run_module("service", run_name="__main__", alter_sys=True)
-    running[pid] = i
-for pid, i in running.items():
-    statuses[i] = os.waitpid(pid, 0)[1]
-print(json.dumps([os.waitstatus_to_exitcode(statuses[i]) for i in range(runs)]))
-"""
-
-
-def forked_runs(out, *args: str) -> list[subprocess.CompletedProcess]:
-    """`python -m service ARGS`, VALIDATE_RUNS times, AT_ONCE side by side: each run a child
-    forked from one interpreter that made the command's imports and read nothing, running the
-    command and its interpreter's exit as a process of its own (seen by waitpid); a run's time
-    was mostly the imports."""
-    proc = subprocess.run(
-        [sys.executable, "-c", FORKED_RUNS, str(VALIDATE_RUNS), str(AT_ONCE), str(out), *args],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    codes = json.loads(proc.stdout.splitlines()[-1])
-    read = lambda i, name: (out / f"{i}.{name}").read_text()  # noqa: E731
-    return [subprocess.CompletedProcess(args, c, read(i, "out"), read(i, "err")) for i, c in enumerate(codes)]
-
-
 def test_validate_data_exits_0_on_every_run(digits_dir, tmp_path):
     """Each run reads parquet through Python file objects; an Arrow pool thread that dropped
     the last reference to one of their buffers while the interpreter exited aborted the
     process (`terminate called without an active exception`, exit 134)."""
     study_file = tmp_path / "study.yaml"
     study_file.write_text(yaml.safe_dump(study_dict(digits_dir, tmp_path / "storage")))
-    runs = forked_runs(tmp_path, "validate", "--data", str(study_file))
-    assert len(runs) == VALIDATE_RUNS
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        runs = list(pool.map(lambda _: playbook("validate", "--data", str(study_file)), range(VALIDATE_RUNS)))
     failed = [(r.returncode, r.stderr[-300:]) for r in runs if r.returncode != 0 or "terminate" in r.stderr]
     assert not failed, failed
     assert all(r.stdout.startswith("ok: study t:") for r in runs)
