@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import os
 import statistics
 import tempfile
@@ -93,6 +94,8 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     )  # fmt: skip
     try:
         result = {w: measure_model(w, rank) for w in MODELS}
+        gc.collect()  # DDP's reducers go before their process group, not at interpreter exit
+        dist.barrier()  # and no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
     if rank == 0:
