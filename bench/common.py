@@ -151,6 +151,23 @@ def paired_ratio(service: Callable[[], Rates], baseline: Callable[[], Rates], pa
     return out
 
 
+def paired_raw(paired: dict, clock: str, unit: str) -> dict:
+    """The raw figures of a `paired_ratio` whose value is its `clock` side ("cpu" or "wall"):
+    that side's spread and pair ratios, the wall clock's beside them, and the unit the sides'
+    rates are counted in (the performance table's "service / baseline" column)."""
+    value, wall = paired[clock], paired["wall"]
+    return {
+        "baseline_unit": unit,
+        "spread": value["spread"],
+        "pair_ratios": value["pair_ratios"],
+        "wall_ratio": round(wall["ratio"], 4),
+        "wall_spread": wall["spread"],
+        "wall_pair_ratios": wall["pair_ratios"],
+        "pairs": paired["pairs"],
+        "load_avg_1m": paired["load_avg_1m"],
+    }
+
+
 class CpuClock:
     """A `loop.BatchSource` wrapper that notes this process's CPU time (all its threads: the
     loop's, its prefetch and read threads') as each batch is handed to a step, so that the

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from bench.common import Rates, block_rates, figure, paired_ratio, run_trial, single_trial_study
+from bench.common import Rates, block_rates, figure, paired_ratio, paired_raw, run_trial, single_trial_study
 from service import workloads
 from service.data.text import write_text
 
@@ -124,20 +124,14 @@ def measure(setup: Setup, pairs: int = PAIRS, corpus_bytes: int = CORPUS_BYTES) 
             service_rates(data, storage, setup), bare.rates()
         paired = paired_ratio(lambda: service_rates(data, storage, setup), bare.rates, pairs)
     tokens = setup.batch * setup.seq_len
-    value, wall = paired["wall" if cuda else "cpu"], paired["wall"]
+    clock = "wall" if cuda else "cpu"
+    value, wall = paired[clock], paired["wall"]
     return {
         "ratio": value["ratio"],
         "service_tokens_per_s": value["service"] * tokens,
         "bare_tokens_per_s": value["baseline"] * tokens,
-        "baseline_unit": "tokens/s" if cuda else "tokens/CPU s",
         "wall_tokens_per_s": [wall["service"] * tokens, wall["baseline"] * tokens],
-        "spread": value["spread"],
-        "pair_ratios": value["pair_ratios"],
-        "wall_ratio": round(wall["ratio"], 4),
-        "wall_spread": wall["spread"],
-        "wall_pair_ratios": wall["pair_ratios"],
-        "pairs": pairs,
-        "load_avg_1m": paired["load_avg_1m"],
+        **paired_raw(paired, clock, "tokens/s" if cuda else "tokens/CPU s"),
         **{k: v for k, v in asdict(setup).items() if k != "hparams"},
         "model": setup.hparams,
     }

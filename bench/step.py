@@ -23,7 +23,7 @@ import time
 import pyarrow.parquet as pq
 import torch
 
-from bench.common import Rates, block_rates, figure, paired_ratio, run_trial, single_trial_study
+from bench.common import Rates, block_rates, figure, paired_ratio, paired_raw, run_trial, single_trial_study
 from service import workloads
 from service.data.builtin import write_digits
 
@@ -84,7 +84,8 @@ def run() -> dict:
             bf16["cpu"]["ratio"],
             bf16_steps_per_s=bf16["cpu"]["service"],
             fp32_steps_per_s=bf16["cpu"]["baseline"],
-            **paired_raw(bf16),
+            **paired_raw(bf16, "cpu", "steps/CPU s"),
+            wall_steps_per_s=[bf16["wall"]["service"], bf16["wall"]["baseline"]],
             **common,
         ),
         "step_ratio": figure(
@@ -92,26 +93,10 @@ def run() -> dict:
             fp32["cpu"]["ratio"],
             service_steps_per_s=fp32["cpu"]["service"],
             bare_steps_per_s=fp32["cpu"]["baseline"],
-            **paired_raw(fp32),
+            **paired_raw(fp32, "cpu", "steps/CPU s"),
+            wall_steps_per_s=[fp32["wall"]["service"], fp32["wall"]["baseline"]],
             **common,
         ),
-    }
-
-
-def paired_raw(paired: dict) -> dict:
-    """The raw figures of a paired ratio whose value is its CPU-time ratio (see the docstring):
-    the sides' medians per CPU second, and per wall second under `wall_steps_per_s`."""
-    cpu, wall = paired["cpu"], paired["wall"]
-    return {
-        "baseline_unit": "steps/CPU s",
-        "wall_steps_per_s": [wall["service"], wall["baseline"]],
-        "spread": cpu["spread"],
-        "pair_ratios": cpu["pair_ratios"],
-        "wall_ratio": round(wall["ratio"], 4),
-        "wall_spread": wall["spread"],
-        "wall_pair_ratios": wall["pair_ratios"],
-        "pairs": paired["pairs"],
-        "load_avg_1m": paired["load_avg_1m"],
     }
 
 
