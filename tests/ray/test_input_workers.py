@@ -24,7 +24,7 @@ from service.trainer.loop import TIMING_FIELDS, train
 from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers.parquet_files import corrupt_column
-from tests.helpers.trainer_runs import NoCheckpoints, train_in_process
+from tests.helpers.trainer_runs import NoCheckpoints, read_log, train_in_process, without_timing
 
 
 class BrokenDigits(Digits):
@@ -143,10 +143,6 @@ def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
         raw["input"] = {"workers": workers, "num_input_workers": 1}
         return spec.load_dict(raw)
 
-    def log_of(plan: TrialPlan) -> list[dict]:
-        with open(plan.metrics_uri) as f:
-            return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
-
     study = study_of("processes")
     rows = run_study(study)
     assert [r["status"] for r in rows] == ["FINISHED"], rows
@@ -154,6 +150,6 @@ def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
     ((config,), (local_config,)) = (plan_round(s, s.rounds[0], []) for s in (study, local))
     local_plan = TrialPlan.from_config(local, local_config)
     train_in_process(local_plan)
-    want = log_of(local_plan)
+    want = [without_timing(r) for r in read_log(local_plan)]
     assert [r["step"] for r in want] == [20, 40]
-    assert log_of(TrialPlan.from_config(study, config)) == want
+    assert [without_timing(r) for r in read_log(TrialPlan.from_config(study, config))] == want
