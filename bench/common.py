@@ -93,7 +93,8 @@ GOALS = {
     "tune_memory": (
         "<=",
         0.1,
-        "Tune driver memory per trial (a TuneRun process's) with a round split into Tune runs / as one run",
+        "Tune driver memory per trial (a TuneRun process's) with a round split into Tune runs / as one run "
+        "(median slopes over the second half of a 720-trial round)",
     ),
     "ddp_bucket_per_param_cost": (
         "info",

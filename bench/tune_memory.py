@@ -8,8 +8,14 @@ actors reused): TRIALS trivial function trials
 (two reports of ~40 metrics and a summary, like a service trial's), 2 at once, actors reused so
 that Tune's bookkeeping, not trial start-up, dominates. The driver's resident memory is sampled
 at every trial completion; the figure is the growth per trial of what is held at the end of
-each of the split round's runs (a least-squares slope over those sizes, after the first
-quarter) over the same for the single run.
+each of the split round's runs over the same for the single run, each a Theil-Sen slope (the
+median of the pairwise slopes) over the second half of the round.
+
+Why the second half and a median slope: the allocators (Python's arenas, glibc's and Arrow's)
+keep a process's freed memory up to a high-water mark that they reach in steps, some MB at a
+time, at no fixed trial: in a split round of 720 the held memory stepped up until about trial
+330 and stayed flat after it. Over the first 240 trials, a least-squares slope read such a
+step as growth per trial, and the figure moved between 0.03 and 0.59 from run to run.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 from bench.cluster import rss_bytes
 from bench.common import figure
 
-TRIALS = 240
+TRIALS = 720
 PER_RUN = 30
 CONCURRENCY = 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,9 +89,18 @@ def held_at(samples: list[tuple[int, int]], sizes: list[int]) -> list[float]:
 
 
 def growth_per_trial(sizes: list[int], held: list[float]) -> float:
-    """Least-squares slope after the first quarter (the first runs also warm the process up)."""
-    q = len(sizes) // 4
-    return float(np.polyfit(sizes[q:], held[q:], 1)[0])
+    """Theil-Sen slope over the second half: the median of the slopes between every two of
+    its points (one step of the allocators' high-water mark moves it little)."""
+    half = len(sizes) // 2
+    xs, ys = sizes[half:], held[half:]
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))]
+    return float(np.median(slopes))
+
+
+def least_squares_growth(sizes: list[int], held: list[float]) -> float:
+    """The least-squares slope over the same points (in raw, beside the figure)."""
+    half = len(sizes) // 2
+    return float(np.polyfit(sizes[half:], held[half:], 1)[0])
 
 
 def run_arm(per_run: int) -> dict:
@@ -104,6 +119,7 @@ def run() -> dict:
     sizes = list(range(PER_RUN, TRIALS + 1, PER_RUN))
     held = {name: held_at(a["samples"], sizes) for name, a in (("single", single), ("split", split))}
     per_trial = {name: growth_per_trial(sizes, h) for name, h in held.items()}
+    least_squares = {name: least_squares_growth(sizes, h) / 1024 for name, h in held.items()}
     extra_runs = TRIALS // PER_RUN - 1
     return {
         "tune_memory": figure(
@@ -113,6 +129,7 @@ def run() -> dict:
             trials_per_run=PER_RUN,
             kb_per_trial_single_run=per_trial["single"] / 1024,
             kb_per_trial_split=per_trial["split"] / 1024,
+            kb_per_trial_least_squares=least_squares,
             rss_mb_at={
                 name: {n: round(v / 2**20, 1) for n, v in zip(sizes, h, strict=True)}
                 for name, h in held.items()
