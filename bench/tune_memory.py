@@ -90,7 +90,9 @@ def held_at(samples: list[tuple[int, int]], sizes: list[int]) -> list[float]:
 
 def growth_per_trial(sizes: list[int], held: list[float]) -> float:
     """Theil-Sen slope over the second half: the median of the slopes between every two of
-    its points (one step of the allocators' high-water mark moves it little)."""
+    its points. One step of the allocators' high-water mark in the first or last third of the
+    span moves it little (fewer than half the pairs straddle it); steps that recur through the
+    span read as growth, as they should."""
     half = len(sizes) // 2
     xs, ys = sizes[half:], held[half:]
     slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))]
