@@ -273,6 +273,10 @@ def run_study(study: Study) -> list[dict]:
     ).remote(study)
     try:
         return ray.get(coordinator.run.remote())
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, PlaybookError):  # bad input: its one line, not Ray's traceback
+            raise e.cause from None
+        raise
     finally:
         ray.kill(coordinator)
 
