@@ -237,8 +237,13 @@ def example_ids(table: pa.Table, workload: Workload, uri: str) -> torch.Tensor:
     column = table.column(workload.id_column)
     if not pa.types.is_integer(column.type) or column.null_count:
         what = f"has {column.null_count} null(s)" if column.null_count else f"is {column.type}"
-        raise DataError(
-            f"{uri}: column {workload.id_column!r} (id_column of workload {workload.name}) {what}; "
-            "ids must be integers"
-        )
+        raise bad_ids(uri, workload, what)
     return torch.from_numpy(column.to_numpy().astype(np.int64))
+
+
+def bad_ids(uri: str, workload: Workload, what: str) -> DataError:
+    """The error for a file whose id column is not integers without nulls (`what` it is)."""
+    return DataError(
+        f"{uri}: column {workload.id_column!r} (id_column of workload {workload.name}) {what}; "
+        "ids must be integers"
+    )

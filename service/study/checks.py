@@ -91,6 +91,7 @@ def _check_split_files(files, workload) -> None:
                     f"{workload.name} (has: {', '.join(names)})"
                 )
             check_column_types(f.uri, pf.schema_arrow, workload)
+            _check_id_nulls(f.uri, pf, workload)
             types = [pf.schema_arrow.field(c).type for c in workload.columns]
             if reference is None and f.num_rows:
                 _check_first_row(f.uri, pf, workload)
@@ -101,6 +102,24 @@ def _check_split_files(files, workload) -> None:
                 )
                 want = reference[1][list(workload.columns).index(c)]
                 raise DataError(f"{f.uri}: column {c!r} is {t}, but {want} in {reference[0]}")
+
+
+def _check_id_nulls(uri: str, pf: pq.ParquetFile, workload) -> None:
+    """No null in the id column, by the null counts parquet writers record in each row group's
+    footer statistics (a row group without them is left to the loader, which refuses the file)."""
+    from service.data.window_reader import bad_ids
+
+    meta = pf.metadata
+    leaves = [j for j in range(meta.num_columns) if meta.schema.column(j).path == workload.id_column]
+    if not leaves:
+        return
+    nulls = 0
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(leaves[0]).statistics
+        if stats is not None and stats.has_null_count:
+            nulls += stats.null_count
+    if nulls:
+        raise bad_ids(uri, workload, f"has {nulls} null(s)")
 
 
 def check_overlap(study: Study, workload) -> None:
