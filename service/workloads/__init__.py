@@ -38,7 +38,7 @@ def get(name: str) -> Workload:
     module_name, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, SyntaxError) as e:  # SyntaxError: names the file and line
         raise SpecError(
             f"workload: cannot load {name!r} ({e}); a module of your own is imported from the study "
             "file's folder or the working directory (docs/workloads.md)"
