@@ -77,8 +77,8 @@ def _hparam_errors(study: Study):
                 f"search.{name}",
                 f"not read by optimizer {tr.optimizer} (only by {', '.join(readers)})",
             )
-        if name == CLIP_HPARAM:
-            yield from ((f"search.{name}", m) for m in _clip_value_errors(hp))
+        if name in NUMBER_HPARAMS:
+            yield from ((f"search.{name}", m) for m in _number_errors(hp, *NUMBER_HPARAMS[name]))
         if name not in SCHEDULE_HPARAMS:
             continue
         default = getattr(Schedule(), name)
@@ -159,13 +159,21 @@ def _schedule_value_errors(name: str, hp: HParam):
         yield f"a fraction of the base learning rate: must be in [0, 1] (got {', '.join(map(str, values))})"
 
 
-def _clip_value_errors(hp: HParam):
-    """grad_clip_norm is a gradient norm: a number > 0."""
+NUMBER_HPARAMS = {
+    CLIP_HPARAM: ("a gradient norm", True),
+    "learning_rate": ("a learning rate", True),
+    "weight_decay": ("a weight decay", False),
+}
+"""Hyperparameters that must be numbers: what each is, and whether it must be > 0 (else >= 0),
+as the optimizers accept them (torch refuses a negative learning rate or weight decay)."""
+
+
+def _number_errors(hp: HParam, what: str, positive: bool):
     values = hp.extremes
     if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
-        yield f"a gradient norm: must be a number (got {', '.join(map(str, values))})"
-    elif min(values) <= 0:
-        yield f"a gradient norm: must be > 0 (got {min(values)})"
+        yield f"{what}: must be a number (got {', '.join(map(str, values))})"
+    elif min(values) < 0 or (positive and min(values) == 0):
+        yield f"{what}: must be {'>' if positive else '>='} 0 (got {min(values)})"
 
 
 def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) -> bool:
