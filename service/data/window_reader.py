@@ -150,8 +150,33 @@ class WindowReader:
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise DataError(self.where_to_batch_fails(table, pieces, e)) from None
         tensors["example_id"] = example_ids(table, self.workload, pieces[0].uri)
+        self.check_labels(tensors["label"], pieces)
         self.stats.preprocess_s += time.perf_counter() - t0
         return tensors
+
+    def check_labels(self, label: torch.Tensor, pieces: list[Piece]) -> None:
+        """A classifier's integer labels are its classes, 0 to num_classes - 1: another value is a
+        data error naming the file, the label column and the row (not an error of the loss)."""
+        n = self.workload.num_classes
+        if not n or label.dim() != 1 or label.dtype.is_floating_point or label.dtype == torch.bool:
+            return
+        bad = ((label < 0) | (label >= n)).nonzero()
+        if len(bad):
+            row = int(bad[0])
+            p, file_row = self.file_row(pieces, row)
+            raise DataError(
+                f"{p.uri}: column {self.workload.label_column!r}, row {file_row}: label {int(label[row])} "
+                f"is not a class of workload {self.workload.name} (num_classes {n}: 0 to {n - 1})"
+            )
+
+    def file_row(self, pieces: list[Piece], row: int) -> tuple[Piece, int]:
+        """The piece holding row `row` of the pieces' rows (in piece order), and that row's
+        number in its file (counted from 0)."""
+        for p in pieces:
+            if row < p.num_rows:
+                break
+            row -= p.num_rows
+        return p, sum(self.reader.row_group_sizes(p.uri)[: p.row_group]) + p.lo + row
 
     def where_to_batch_fails(self, table: pa.Table, pieces: list[Piece], error: Exception) -> str:
         """The error of `to_batch` on a window's rows, naming the file, the column and the row
@@ -162,12 +187,8 @@ class WindowReader:
         row = first_bad_row(w, table)
         if row is None:
             return f"{pieces[0].uri}: {reason}"
-        for p in pieces:  # the table is the pieces' rows in piece order
-            if row < p.num_rows:
-                break
-            row -= p.num_rows
-        file_row = sum(self.reader.row_group_sizes(p.uri)[: p.row_group]) + p.lo + row
-        column = bad_column(w, table, sum(q.num_rows for q in pieces[: pieces.index(p)]) + row)
+        p, file_row = self.file_row(pieces, row)
+        column = bad_column(w, table, row)
         return f"{p.uri}: " + (f"column {column!r}, " if column else "") + f"row {file_row}: {reason}"
 
     def read_table(self, pieces: list[Piece]) -> pa.Table:
