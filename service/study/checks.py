@@ -63,16 +63,24 @@ def check_data(study: Study) -> None:
     for split in ("train", "validation", "test"):
         if getattr(study.data, split) is None:
             continue
-        files = list_files(getattr(study.data, split))
-        _check_split_files(files, workload)
-        if not sum(f.num_rows for f in files):
-            raise DataError(f"{getattr(study.data, split)}: the {split} split has no rows")
-        if split == "train" and len(files) < study.scaling.num_hosts:
-            raise DataError(
-                f"{study.data.train}: {len(files)} training files cannot be sharded "
-                f"over scaling.num_hosts={study.scaling.num_hosts}"
-            )
+        try:
+            _check_split(study, split, workload)
+        except (DataError, StorageError) as e:  # the field, then the file (relative: against the cwd)
+            raise type(e)(f"data.{split}: {e}") from None
     check_overlap(study, workload)
+
+
+def _check_split(study: Study, split: str, workload) -> None:
+    uri = getattr(study.data, split)
+    files = list_files(uri)
+    _check_split_files(files, workload)
+    if not sum(f.num_rows for f in files):
+        raise DataError(f"{uri}: the {split} split has no rows")
+    if split == "train" and len(files) < study.scaling.num_hosts:
+        raise DataError(
+            f"{uri}: {len(files)} training files cannot be sharded over scaling.num_hosts="
+            f"{study.scaling.num_hosts}"
+        )
 
 
 def _check_split_files(files, workload) -> None:

@@ -59,7 +59,7 @@ def test_validate_data_refuses_a_column_of_another_type_than_declared(digits_dir
     assert cli.main(["validate", "--data", str(study_file)]) == 2
     err = capsys.readouterr().err.strip()
     first = os.path.join(data["train"], sorted(os.listdir(data["train"]))[0])
-    assert err.startswith(f"playbook: error: {first}: column 'label' is string"), err
+    assert err.startswith(f"playbook: error: data.train: {first}: column 'label' is string"), err
     assert "declares it integer" in err and len(err.splitlines()) == 1
 
 
@@ -164,3 +164,24 @@ def test_another_failure_is_retried_and_its_error_kept_in_storage(ray_cluster, d
     assert f"Failure # {1 + MAX_TRIAL_RESTARTS}" in text  # every attempt's traceback
     assert 'in build_model\n    raise RuntimeError("this model cannot be built")' in text
     assert len(os.listdir(attempts)) == 1 + MAX_TRIAL_RESTARTS
+
+
+def test_a_relative_data_path_from_another_folder_names_the_field_and_the_resolved_path(
+    digits_dir, tmp_path, capsys, monkeypatch
+):
+    """A study whose data paths are relative, validated from the folder above its own: the error
+    names the field and the path as resolved, against the working directory (not the study
+    file's folder, where the data is)."""
+    study_dir = tmp_path / "project"
+    study_dir.mkdir()
+    copy_splits(digits_dir, study_dir / "data", lambda t: t)
+    raw = study_dict(digits_dir, "studies")
+    raw["data"] = {s: f"data/{s}" for s in ("train", "validation", "test")}
+    (study_dir / "study.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["validate", "--data", "project/study.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"playbook: error: data.train: {tmp_path}/data/train: no such file or directory"
+    monkeypatch.chdir(study_dir)
+    assert cli.main(["validate", "--data", "study.yaml"]) == 0, capsys.readouterr().err

@@ -189,26 +189,26 @@ def _(c):  # the corpus's valid neighbour: the same world, nothing wrong (not co
 @case("data-train-missing")
 def _(c):
     c.raw["data"]["train"] = c.path("no-train")
-    return validate_data(c), c.path("no-train")
+    return validate_data(c), f"data.train: {c.path('no-train')}"
 
 
 @case("data-validation-missing-on-run")
 def _(c):
     c.raw["data"]["validation"] = c.path("no-val")
-    return run(c), c.path("no-val")
+    return run(c), f"data.validation: {c.path('no-val')}"
 
 
 @case("data-test-missing")
 def _(c):
     c.raw["data"]["test"] = c.path("no-test")
-    return validate_data(c), c.path("no-test")
+    return validate_data(c), f"data.test: {c.path('no-test')}"
 
 
 @case("data-train-folder-empty")
 def _(c):
     os.makedirs(c.path("empty"))
     c.raw["data"]["train"] = c.path("empty")
-    return validate_data(c), c.path("empty")
+    return validate_data(c), f"data.train: {c.path('empty')}"
 
 
 @case("data-train-no-parquet-in-folder")
@@ -217,20 +217,20 @@ def _(c):
     with open(c.path("csvs", "train.csv"), "w") as f:
         f.write("pixels,label\n0,1\n")
     c.raw["data"]["train"] = c.path("csvs")
-    return validate_data(c), c.path("csvs")
+    return validate_data(c), f"data.train: {c.path('csvs')}"
 
 
 @case("data-glob-matches-nothing")
 def _(c):
     c.raw["data"]["train"] = os.path.join(c.digits, "train", "*.orc")
-    return validate_data(c), c.raw["data"]["train"]
+    return validate_data(c), f"data.train: {c.raw['data']['train']}"
 
 
 @case("data-zero-byte-file")
 def _(c):
     d = c.data_copy()
     open(os.path.join(d, "part-00009.parquet"), "w").close()
-    return validate_data(c), os.path.join(d, "part-00009.parquet")
+    return validate_data(c), f"data.train: {os.path.join(d, 'part-00009.parquet')}"
 
 
 @case("data-corrupt-file")
@@ -238,7 +238,7 @@ def _(c):
     d = c.data_copy()
     with open(os.path.join(d, "part-00001.parquet"), "wb") as f:
         f.write(os.urandom(4096))
-    return run(c), os.path.join(d, "part-00001.parquet")
+    return run(c), f"data.train: {os.path.join(d, 'part-00001.parquet')}"
 
 
 @case("data-truncated-file")
@@ -247,7 +247,7 @@ def _(c):
     p = first_file(d)
     with open(p, "r+b") as f:
         f.truncate(os.path.getsize(p) // 2)
-    return validate_data(c), p
+    return validate_data(c), f"data.validation: {p}"
 
 
 @case("data-csv-given-as-a-file")
@@ -256,21 +256,21 @@ def _(c):
     with open(p, "w") as f:
         f.write("pixels,label\n0,1\n")
     c.raw["data"]["train"] = p
-    return validate_data(c), p
+    return validate_data(c), f"data.train: {p}"
 
 
 @case("data-missing-label-column")
 def _(c):
     p = first_file(c.data_copy())
     rewrite_table(p, lambda t: t.drop_columns(["label"]))
-    return run(c), p
+    return run(c), f"data.train: {p}"
 
 
 @case("data-missing-feature-column-in-validation")
 def _(c):
     p = first_file(c.data_copy("validation"))
     rewrite_table(p, lambda t: t.rename_columns(["example_id", "image", "label"]))
-    return validate_data(c), p
+    return validate_data(c), f"data.validation: {p}"
 
 
 @case("data-label-column-of-strings")
@@ -279,7 +279,7 @@ def _(c):
     rewrite_table(
         p, lambda t: t.set_column(2, "label", pa.array([f"digit-{v}" for v in t["label"].to_pylist()]))
     )
-    return run(c), p
+    return run(c), f"data.train: {p}"
 
 
 @case("data-pixels-of-the-wrong-length")
@@ -287,7 +287,7 @@ def _(c):
     p = os.path.join(c.data_copy(), "part-00002.parquet")
     short = lambda t: t.set_column(1, "pixels", pa.array([v[:10] for v in t["pixels"].to_pylist()]))  # noqa: E731
     rewrite_table(p, short)
-    return validate_data(c), p
+    return validate_data(c), f"data.train: {p}"
 
 
 @case("data-split-with-no-rows")
@@ -297,7 +297,7 @@ def _(c):
     t = pq.read_table(first_file(os.path.join(c.digits, "validation")))
     pq.write_table(t.slice(0, 0), os.path.join(d, "part-00000.parquet"))
     c.raw["data"]["validation"] = d
-    return validate_data(c), d
+    return validate_data(c), f"data.validation: {d}"
 
 
 @case("data-fewer-files-than-hosts")
@@ -305,13 +305,13 @@ def _(c):
     c.set("scaling.num_hosts", 5)
     c.set("training.batch_size", 40)
     c.set("training.eval_batch_size", 80)
-    return validate_data(c), c.raw["data"]["train"]
+    return validate_data(c), "data.train: " + c.raw["data"]["train"]
 
 
 @case("data-unsupported-uri-scheme")
 def _(c):
     c.raw["data"]["train"] = "nosuchfs://bucket/train"
-    return validate_data(c), "nosuchfs://bucket/train"
+    return validate_data(c), "data.train: nosuchfs://bucket/train"
 
 
 # --- the storage -------------------------------------------------------------------------------

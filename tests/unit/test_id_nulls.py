@@ -31,6 +31,7 @@ def test_a_null_id_past_the_first_rows_is_refused_before_anything_starts(tmp_pat
     with pytest.raises(DataError) as e:
         check_data(spec.load_dict(d))
     assert str(e.value) == (
-        f"{path}: column 'row_id' (id_column of workload tabular_mlp) has 1 null(s); ids must be integers"
+        f"data.train: {path}: column 'row_id' (id_column of workload tabular_mlp) has 1 null(s); "
+        "ids must be integers"
     )
     assert not (tmp_path / "studies").exists()
