@@ -176,11 +176,13 @@ def print_verdicts(study_uri: str) -> None:
 
 
 def print_table(rows: list[dict], metric: str, mode: str) -> None:
+    from service.tracking import trial_table
+
     hp_cols = sorted({k for r in rows for k in r if k.startswith("hp/")})
     cols = ["trial_name", "status", "step", "seed", *hp_cols, "best_metric", "best_step"]
     header = [c.removeprefix("hp/") for c in cols]
     header[cols.index("best_metric")] = f"best {metric}"
-    lines = [[cell(r.get(c)) for c in cols] for r in sorted(rows, key=lambda r: r["trial_name"])]
+    lines = [[cell(r.get(c)) for c in cols] for r in trial_table.in_round_order(rows)]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for line in lines:

@@ -61,7 +61,7 @@ def load(study_uri: str) -> StudyData:
     if not storage.exists(study_file):
         raise StudyNotFound(f"{study_uri}: no stored study there (no study.yaml)")
     study = spec.load_text(storage.read_bytes(study_file).decode(), source=study_file)
-    rows = sorted(trial_table.read_rows(study_uri), key=lambda r: r["trial_name"])
+    rows = trial_table.in_round_order(trial_table.read_rows(study_uri))
     histories = {
         row["trial_name"]: metrics_log.read(layout.trial(row["trial_name"]).metrics_log) for row in rows
     }

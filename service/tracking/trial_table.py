@@ -103,3 +103,13 @@ def read_rows(study_uri: str) -> list[dict]:
         return []
     # Read on this thread: Python-owned bytes (see data.files.ParquetReader.read_row_group).
     return pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False).to_pylist()
+
+
+def in_round_order(rows: list[dict]) -> list[dict]:
+    """The rows round by round, in the order the rounds first appear in the table (the order
+    they were planned and ran), each round's by trial name: what `playbook status` and the
+    report list (by name alone, a round named `bayes` came before the `explore` it follows)."""
+    first: dict = {}
+    for r in rows:
+        first.setdefault(r.get("round"), len(first))
+    return sorted(rows, key=lambda r: (first[r.get("round")], str(r["trial_name"])))
