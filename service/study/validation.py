@@ -115,7 +115,7 @@ def _schedule_length_errors(study: Study):
             )
         elif linear and d and w + d > steps:
             yield (
-                (searched or [here])[0],
+                " and ".join(searched) or here,  # both searched: either may be what is too long
                 f"warmup + decay_steps (up to {w} + {d}) must be <= max_train_steps of round "
                 f"{r.name} ({steps})",
             )

@@ -400,6 +400,19 @@ UNREAD = [
         "warmup + decay_steps (up to 20 + 290) must be <= max_train_steps of round explore (300)",
     ),
     (
+        "searched-warmup-and-decay-too-long-together",
+        _both(
+            _set("training.schedule.kind", "linear"),
+            _set("training.schedule.warmup_steps", DELETE),
+            _both(
+                _set("search.warmup_steps", {"role": "nuisance", "type": "int", "min": 0, "max": 30}),
+                _set("search.decay_steps", {"role": "nuisance", "type": "int", "min": 60, "max": 280}),
+            ),
+        ),
+        "search.warmup_steps and search.decay_steps",
+        "warmup + decay_steps (up to 30 + 280) must be <= max_train_steps of round explore (300)",
+    ),
+    (
         "linear-extend-shorter-than-its-source",
         _both(_set("training.schedule.kind", "linear"), _set("rounds.1.step_multiplier", 0.5)),
         "rounds[1].step_multiplier",
