@@ -19,6 +19,14 @@ class StorageError(PlaybookError):
     """The study storage cannot be read or written."""
 
 
+class StudyStopped(PlaybookError):
+    """A study cannot go on: a round has nothing to start from (every trial of the round it
+    extends, repeats or narrows to failed or diverged). The study file was fine, so not exit
+    code 2: one line, exit code 1, the rounds before it kept."""
+
+    exit_code = 1
+
+
 class StudyNotFound(PlaybookError):
     """No running coordinator and no stored study under that name."""
 

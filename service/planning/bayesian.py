@@ -18,7 +18,7 @@ import dataclasses
 import optuna
 
 from service.core import ranking
-from service.core.errors import PlaybookError
+from service.core.errors import StudyStopped
 from service.core.trial_status import TrialStatus
 from service.planning import rounds, schedules
 from service.study.search import HParam, Round
@@ -62,7 +62,7 @@ def round_space(study: Study, rnd: Round, rows: list[dict]) -> dict[str, HParam]
     source = study.source_round(rnd).name
     best = ranking.ranked_results([r for r in rows if r.get("round") == source], study.training.mode)
     if not best:
-        raise PlaybookError(f"round {rnd.name}: round {source} has no finished trial to narrow the space to")
+        raise StudyStopped(f"round {rnd.name}: round {source} has no finished trial to narrow the space to")
     return narrowed_space(study.search, best[: rnd.narrow_to_best])
 
 

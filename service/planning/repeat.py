@@ -7,7 +7,7 @@ the values against that noise). With no scientific hyperparameter, the best tria
 from __future__ import annotations
 
 from service.core import ranking
-from service.core.errors import PlaybookError
+from service.core.errors import StudyStopped
 from service.planning import schedules
 from service.planning.rounds import trial_config
 from service.study.search import Round
@@ -28,7 +28,7 @@ def plan_repeat(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     source = study.source_round(rnd)
     bests = best_per_scientific_value(study, [r for r in rows if r.get("round") == source.name])
     if not bests:
-        raise PlaybookError(f"round {rnd.name}: round {source.name} has no finished trial to repeat")
+        raise StudyStopped(f"round {rnd.name}: round {source.name} has no finished trial to repeat")
     configs = []
     for best in bests:
         hparams = {k.removeprefix("hp/"): v for k, v in best.items() if k.startswith("hp/")}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 from service.core import ranking
-from service.core.errors import PlaybookError
+from service.core.errors import PlaybookError, StudyStopped
 from service.planning import schedules
 from service.planning.search import quasi_random_configs
 from service.study.search import Round
@@ -48,7 +48,7 @@ def _extend(study: Study, rnd: Round, rows: list[dict]) -> list[dict]:
     source = study.source_round(rnd)
     best = ranking.best_result([r for r in rows if r.get("round") == source.name], study.training.mode)
     if best is None:
-        raise PlaybookError(f"round {rnd.name}: round {source.name} has no finished trial to extend")
+        raise StudyStopped(f"round {rnd.name}: round {source.name} has no finished trial to extend")
     hparams = {k.removeprefix("hp/"): v for k, v in best.items() if k.startswith("hp/")}
     # The schedule the trial ran, for as long as it ran (a row from before rows recorded a
     # schedule: the study's with the row's hyperparameters, and the origin says so).

@@ -26,3 +26,4 @@ def test_an_extend_round_after_a_round_that_only_diverged_is_one_line(ray_cluste
     with pytest.raises(PlaybookError) as e:
         run_study(study)
     assert str(e.value) == "round longer: round explore has no finished trial to extend"
+    assert e.value.exit_code == 1  # the study stopped; its file was fine (bad input is 2)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from service.core.errors import PlaybookError
+from service.core.errors import StudyStopped
 from service.planning import schedules
 from service.planning.rounds import plan_round, row_fields
 from service.planning.schedules import extend, lr_factor
@@ -116,8 +116,9 @@ def test_extend_round_reruns_the_best_config_longer_with_several_seeds():
 def test_extend_with_mode_max_and_no_finished_source():
     s = study(max_train_steps=500)
     assert plan_round(s, s.rounds[1], ROWS)[0]["max_train_steps"] == 500
-    with pytest.raises(PlaybookError, match="round exploit: round explore has no finished trial"):
+    with pytest.raises(StudyStopped, match="round exploit: round explore has no finished trial") as e:
         plan_round(s, s.rounds[1], [r for r in ROWS if r["status"] != "FINISHED"])
+    assert e.value.exit_code == 1  # the study file was fine: not bad input's 2
 
 
 def test_extend_round_rules_in_the_spec():
