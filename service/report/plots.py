@@ -68,17 +68,28 @@ HPARAM_COLUMNS = 3
 """The hyperparameter axes in rows of at most this many, so each stays readable at the page's width."""
 
 
+SEARCHING_KINDS = ("quasi_random", "grid", "bayesian")
+"""Rounds that spread trials over the search space; an extend or repeat round reruns one
+configuration, longer or with other seeds, and is left off the hyperparameter axes."""
+ROUND_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
 def hparam_axes(data: StudyData) -> Figure | None:
-    """The best result of each trial against each searched hyperparameter, with the search
-    bounds drawn, the best trial marked, log axes for log-scale ones; diverged trials are
-    marked along the top edge (they have no result)."""
+    """The best result of each trial of the searching rounds against each searched
+    hyperparameter, a color per round (rounds of other lengths are not comparable point for
+    point), the search bounds drawn, the best of these trials marked, log axes for log-scale
+    ones; diverged trials are marked along the top edge (they have no result)."""
     space = data.study.searched_hparams
-    if not space:
+    rounds = [r for r in data.study.rounds if r.kind in SEARCHING_KINDS]
+    if not space or not rounds:
         return None
-    finished = [
-        r for r in data.rows if r.get("status") == TrialStatus.FINISHED and _finite(r.get("best_metric"))
-    ]
-    diverged = [r for r in data.rows if r.get("status") == TrialStatus.DIVERGED]
+    colors = {
+        r.name: (ROUND_COLORS[i % len(ROUND_COLORS)], data.study.round_steps(r)) for i, r in enumerate(rounds)
+    }
+    rows = [r for r in data.rows if r.get("round") in colors]
+    finished = [r for r in rows if r.get("status") == TrialStatus.FINISHED and _finite(r.get("best_metric"))]
+    diverged = [r for r in rows if r.get("status") == TrialStatus.DIVERGED]
+    best = best_result(rows, data.mode)
     ncols = min(HPARAM_COLUMNS, len(space))
     nrows = math.ceil(len(space) / ncols)
     fig = Figure(figsize=(4.6 * ncols, 3.8 * nrows), layout="constrained")
@@ -86,15 +97,21 @@ def hparam_axes(data: StudyData) -> Figure | None:
     for ax in grid[len(space) :]:
         fig.delaxes(ax)
     for ax, (name, hp) in zip(grid, space.items(), strict=False):
-        _hparam_axis(ax, name, hp, finished, diverged, best_trial(data))
+        _hparam_axis(ax, name, hp, finished, diverged, best and best["trial_name"], colors)
         ax.set_ylabel(f"best {data.metric}")
-    fig.suptitle("hyperparameter axes (dashed: search bounds)")
+    left_out = [r.name for r in data.study.rounds if r.kind not in SEARCHING_KINDS]
+    fig.suptitle(
+        "hyperparameter axes (dashed: search bounds)"
+        + (f"; left out: {', '.join(left_out)} (one configuration each)" if left_out else "")
+    )
     return fig
 
 
-def _hparam_axis(ax, name: str, hp, finished: list[dict], diverged: list[dict], best: str | None) -> None:
-    """One hyperparameter's axis: the finished trials' results, the best one starred, the
-    diverged ones as crosses along the top."""
+def _hparam_axis(
+    ax, name: str, hp, finished: list[dict], diverged: list[dict], best: str | None, colors: dict
+) -> None:
+    """One hyperparameter's axis: the finished trials' results in their round's color, the best
+    one starred, the diverged ones as crosses along the top."""
 
     def x_of(r):
         v = r.get(f"hp/{name}")
@@ -102,12 +119,15 @@ def _hparam_axis(ax, name: str, hp, finished: list[dict], diverged: list[dict], 
             return list(hp.values).index(v) if v in hp.values else None
         return v if _finite(v) else None
 
-    pts = [(x_of(r), r["best_metric"], r["trial_name"]) for r in finished if x_of(r) is not None]
-    if pts:
-        ax.scatter(
-            [p[0] for p in pts], [p[1] for p in pts], s=14, color=TRIAL_COLOR, alpha=0.7, label="trials"
-        )
-    for x, y, trial in pts:
+    pts = [(x_of(r), r["best_metric"], r["trial_name"], r["round"]) for r in finished if x_of(r) is not None]
+    for rnd, (color, steps) in colors.items():
+        mine = [p for p in pts if p[3] == rnd]
+        if mine:
+            ax.scatter(
+                [p[0] for p in mine], [p[1] for p in mine], s=14, color=color, alpha=0.7,
+                label=f"{rnd} ({steps} steps)",
+            )  # fmt: skip
+    for x, y, trial, _ in pts:
         if trial == best:
             ax.scatter([x], [y], s=120, marker="*", color=BEST_COLOR, zorder=3, label=f"best: {trial}")
     if hp.type == "choice":

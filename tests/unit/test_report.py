@@ -20,12 +20,19 @@ from tests.helpers.chromium import check_page
 from tests.helpers.studies import BASE_STUDY, make_study
 
 
-@pytest.fixture
-def stored(digits_dir, tmp_path):
-    study = make_study(digits_dir, tmp_path)
+def write_stored(study, rows: list[dict]) -> None:
+    """The study file and its trial table, as a study's folder holds them."""
     os.makedirs(study.study_uri)
     with open(os.path.join(study.study_uri, "study.yaml"), "w") as f:
         f.write(spec.dump_yaml(study))
+    keys = sorted({k for r in rows for k in r})  # from_pylist takes its schema from the first row
+    table = pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows])
+    pq.write_table(table, os.path.join(study.study_uri, "trials.parquet"))
+
+
+@pytest.fixture
+def stored(digits_dir, tmp_path):
+    study = make_study(digits_dir, tmp_path)
     rows = [
         {"trial_name": "explore-0000", "round": "explore", "status": "FINISHED", "max_train_steps": 40,
          "best_metric": 0.4, "best_step": 40, "hp/learning_rate": 0.02, "hp/momentum": 0.6},
@@ -34,9 +41,7 @@ def stored(digits_dir, tmp_path):
         {"trial_name": "explore-0002", "round": "explore", "status": "DIVERGED", "max_train_steps": 40,
          "diverged_at_step": 13, "hp/learning_rate": 0.45, "hp/momentum": 0.93},
     ]  # fmt: skip
-    keys = sorted({k for r in rows for k in r})  # from_pylist takes its schema from the first row
-    table = pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows])
-    pq.write_table(table, os.path.join(study.study_uri, "trials.parquet"))
+    write_stored(study, rows)
     verdicts = [
         {"round": "explore", "scientific": "", "verdicts": [
             {"kind": "input_bound", "subject": "explore-0001", "severity": "warning",
@@ -82,6 +87,38 @@ def test_hparam_axes_draw_the_bounds_on_a_log_axis(stored):
     assert vlines == [lr.min, lr.max]
     lo, hi = lr_ax.get_xlim()
     assert lo < lr.min and hi > lr.max
+
+
+def test_hparam_axes_show_the_searching_rounds_only_a_color_each(digits_dir, tmp_path):
+    """An extend round reruns the best configuration longer: its better result at the same
+    learning rate is not a point of the search, so it is left off (named in the title), and the
+    star is the best trial of the searching rounds; a bayesian round has a color of its own."""
+    rounds = [
+        {"name": "explore", "num_trials": 2},
+        {"name": "bayes", "kind": "bayesian", "num_trials": 1},
+        {"name": "longer", "kind": "extend", "num_trials": 1},
+    ]
+    study = make_study(digits_dir, tmp_path, rounds=rounds)
+    steps = study.training.max_train_steps
+    row = {"status": "FINISHED", "hp/momentum": 0.9}
+    lr = "hp/learning_rate"
+    write_stored(study, [
+        {**row, "trial_name": "explore-0000", "round": "explore", "best_metric": 0.4, lr: 0.02},
+        {**row, "trial_name": "explore-0001", "round": "explore", "best_metric": 0.2, lr: 0.1},
+        {**row, "trial_name": "bayes-0000", "round": "bayes", "best_metric": 0.3, lr: 0.05},
+        {**row, "trial_name": "longer-0000", "round": "longer", "best_metric": 0.1, lr: 0.1},
+    ])  # fmt: skip
+    fig = plots.hparam_axes(report.load(study.study_uri))
+    lr_ax = fig.axes[0]
+    points = {c.get_label(): [tuple(map(float, xy)) for xy in c.get_offsets()] for c in lr_ax.collections}
+    assert points == {
+        f"explore ({steps} steps)": [(0.02, 0.4), (0.1, 0.2)],
+        f"bayes ({steps} steps)": [(0.05, 0.3)],
+        "best: explore-0001": [(0.1, 0.2)],
+    }
+    colors = [tuple(c.get_facecolor()[0]) for c in lr_ax.collections[:2]]
+    assert colors[0] != colors[1]
+    assert fig.get_suptitle().endswith("left out: longer (one configuration each)")
 
 
 def test_missing_study_is_one_line_and_exit_2(tmp_path, capsys):
