@@ -27,7 +27,7 @@ from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
 from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
 from service.planning.trial import TrialPlan
-from service.study.layout import CHECKPOINT_PREFIX, checkpoint_name
+from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
 from service.trainer import checkpoint, fence, loop
 from service.trainer.checkpoint import TrialState
@@ -51,14 +51,8 @@ class RayTrainReporter:
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         if checkpoint_dir and self.attempt is not None:
             self.attempt.check("checkpoint")
-        if not checkpoint_dir:
-            ray.train.report(metrics)
-            return
-        # Named by its step as the fast path names it (Ray's default is a timestamp); rank 0's
-        # name is the one Ray uses for every rank's report.
-        name = checkpoint_name(int(metrics["step"]))
-        ckpt = Checkpoint.from_directory(checkpoint_dir)
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name)
+        ckpt = Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=ckpt)
 
     def restore(self) -> TrialState | None:
         ckpt = ray.train.get_checkpoint()
