@@ -161,7 +161,7 @@ def _schedule_value_errors(name: str, hp: HParam):
 
 NUMBER_HPARAMS = {
     CLIP_HPARAM: ("a gradient norm", True),
-    "learning_rate": ("a learning rate", True),
+    "learning_rate": ("a learning rate", False),  # 0 trains nothing: a baseline, or ties on purpose
     "weight_decay": ("a weight decay", False),
 }
 """Hyperparameters that must be numbers: what each is, and whether it must be > 0 (else >= 0),

@@ -21,9 +21,12 @@ def study_with(**search):
 @pytest.mark.parametrize(
     "name, hp, message",
     [
-        ("learning_rate", {"role": "fixed", "value": -0.1}, "a learning rate: must be > 0 (got -0.1)"),
-        ("learning_rate", {"role": "fixed", "value": 0}, "a learning rate: must be > 0 (got 0)"),
-        ("learning_rate", {"role": "nuisance", "min": 0, "max": 1}, "a learning rate: must be > 0 (got 0.0)"),
+        ("learning_rate", {"role": "fixed", "value": -0.1}, "a learning rate: must be >= 0 (got -0.1)"),
+        (
+            "learning_rate",
+            {"role": "nuisance", "min": -1, "max": 1},
+            "a learning rate: must be >= 0 (got -1.0)",
+        ),
         ("learning_rate", {"role": "fixed", "value": "fast"}, "a learning rate: must be a number (got fast)"),
         ("weight_decay", {"role": "fixed", "value": -1e-4}, "a weight decay: must be >= 0 (got -0.0001)"),
     ],
@@ -37,3 +40,10 @@ def test_a_learning_rate_or_weight_decay_no_optimizer_takes_is_refused_naming_th
 def test_a_zero_weight_decay_and_a_small_learning_rate_are_accepted():
     s = spec.load_dict(study_with(weight_decay={"role": "fixed", "value": 0.0}))
     assert s.search["weight_decay"].value == 0.0 and s.search["learning_rate"].min == 0.01
+
+
+def test_a_zero_learning_rate_is_accepted_as_torch_accepts_it():
+    """A learning rate of 0 trains nothing: an untrained baseline, or ties on purpose
+    (tests/cluster/test_exact_layout.py); torch's optimizers take it."""
+    s = spec.load_dict(study_with(learning_rate={"role": "fixed", "value": 0}))
+    assert s.search["learning_rate"].value == 0
