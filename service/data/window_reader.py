@@ -162,10 +162,10 @@ class WindowReader:
             return
         if label.dtype == torch.bool:
             return
-        lowest, highest = torch.aminmax(label)
-        if lowest >= 0 and highest < n:  # one reduction a window; the row is looked for on failure only
+        labels = label.numpy()  # in numpy, as the rest of the per-window work
+        if labels.min() >= 0 and labels.max() < n:  # the row is looked for on failure only
             return
-        row = int(((label < 0) | (label >= n)).nonzero()[0])
+        row = int(np.flatnonzero((labels < 0) | (labels >= n))[0])
         p, file_row = self.file_row(pieces, row)
         raise DataError(
             f"{p.uri}: column {self.workload.label_column!r}, row {file_row}: label {int(label[row])} "
