@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from service import workloads
 from service.core import storage
 from service.core.errors import DataError, SpecError, StorageError
-from service.data.files import check_column_types, check_declared_kinds, list_files
+from service.data.files import DataFile, check_column_types, check_declared_kinds, list_files
 from service.study.search import OPTIMIZER_HPARAMS
 from service.study.spec import Study
 
@@ -60,17 +60,19 @@ def check_data(study: Study) -> None:
     non-empty file, whose first rows the workload turns into a batch (footers only, and a few
     rows). A split needs rows; the training files must cover the hosts."""
     workload = workloads.get(study.workload)
+    files = {}
     for split in ("train", "validation", "test"):
         if getattr(study.data, split) is None:
             continue
         try:
-            _check_split(study, split, workload)
+            files[split] = _check_split(study, split, workload)
         except (DataError, StorageError) as e:  # the field, then the file (relative: against the cwd)
             raise type(e)(f"data.{split}: {e}") from None
-    check_overlap(study, workload)
+    check_overlap(study, workload, files)
 
 
-def _check_split(study: Study, split: str, workload) -> None:
+def _check_split(study: Study, split: str, workload) -> list[DataFile]:
+    """The split's files, listed once, after their checks."""
     uri = getattr(study.data, split)
     files = list_files(uri)
     _check_split_files(files, workload)
@@ -81,6 +83,7 @@ def _check_split(study: Study, split: str, workload) -> None:
             f"{uri}: {len(files)} training files cannot be sharded over scaling.num_hosts="
             f"{study.scaling.num_hosts}"
         )
+    return files
 
 
 def _check_split_files(files, workload) -> None:
@@ -130,18 +133,18 @@ def _check_id_nulls(uri: str, pf: pq.ParquetFile, workload) -> None:
         raise bad_ids(uri, workload, f"has {nulls} null(s)")
 
 
-def check_overlap(study: Study, workload) -> None:
+def check_overlap(study: Study, workload, files: dict[str, list[DataFile]]) -> None:
     """No example id of the training split is in the validation or test split (`data.overlap`:
     exact on small splits, estimated from a sample on large ones): refused, or with
-    `data.allow_overlap` a warning with the count."""
+    `data.allow_overlap` a warning with the count. `files`: each split's files, as listed."""
     from service.data import overlap
 
-    train = overlap.read_ids(list_files(study.data.train), workload.id_column)
+    train = overlap.read_ids(files["train"], workload.id_column)
     for split in ("validation", "test"):
         uri = getattr(study.data, split)
         if uri is None:
             continue
-        found = overlap.overlap(train, overlap.read_ids(list_files(uri), workload.id_column))
+        found = overlap.overlap(train, overlap.read_ids(files[split], workload.id_column))
         if not found.count:
             continue
         message = f"{uri}: {found.describe(split, workload.id_column)}"
