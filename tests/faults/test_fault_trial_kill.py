@@ -52,6 +52,21 @@ def complete_steps(study) -> list[int]:
     return sorted(out)
 
 
+def logged_its_checkpoint(study) -> bool:
+    """A checkpoint is complete and the metrics log has reached its step. The checkpoint is
+    committed on a background thread (`training.async_checkpoint`) while the loop writes the
+    log, so either can come first; killing in between read a log not yet written."""
+    if not os.path.isdir(trial_dir(study)) or not complete_steps(study):
+        return False
+    if not os.path.exists(os.path.join(trial_dir(study), "metrics.jsonl")):
+        return False
+    try:
+        rows = log(study)
+    except json.JSONDecodeError:  # a row being appended
+        return False
+    return bool(rows) and rows[-1]["step"] >= max(complete_steps(study))
+
+
 def test_killed_trial_process_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path):
     from service.orchestration.coordinator import run_study
 
@@ -68,7 +83,7 @@ def test_killed_trial_process_resumes_to_the_same_result(ray_cluster, digits_dir
     killed_after = pid = None
     deadline = time.time() + 300
     while runner.is_alive() and time.time() < deadline and pid is None:
-        if os.path.isdir(trial_dir(study)) and complete_steps(study):
+        if logged_its_checkpoint(study):
             with open(os.path.join(trial_dir(study), "topology.json")) as f:
                 pid = json.load(f)["ranks"][0]["pid"]
             persisted = max(complete_steps(study))
