@@ -1,11 +1,19 @@
-"""The gradients' global 2-norm, taken every step (the clipping verdict and `grad_clip_norm` read
-it), and clipping to it.
+"""The gradients of a step: where they are kept, their global 2-norm, taken every step (the
+clipping verdict and `grad_clip_norm` read it), and clipping to it.
 
-The value is torch's `get_total_norm` bit for bit: the 2-norm of each gradient, stacked, and the
-2-norm of that vector. torch's function first sorts the gradients by device and dtype and moves
-each norm to the first device, a dozen small operations a step; where the model's trainable
-parameters share one device and dtype (almost always) this does the same arithmetic in three,
-which matters on a GPU, where each is a kernel launch."""
+On CPU the gradients live in one flat buffer, set up once (`Gradients.zero` instead of the
+optimizer's `zero_grad(set_to_none=True)`). Each parameter's `.grad` shares the buffer's memory,
+backward accumulates into it in place, and the norm of the buffer is one operation. On CPU every
+torch operation is a synchronous dispatch: a fresh gradient tensor per parameter per step and a
+norm per parameter cost more than the whole update of a small model. A parameter that received
+no gradient in a step (unused by this forward pass) has its `.grad` set to None after backward,
+so the optimizer skips it exactly as after `zero_grad(set_to_none=True)`: its version counter
+tells, as backward's in-place accumulation bumps it. On CUDA the gradients are torch's own (freed
+between steps, which keeps peak memory down) and the norm is three kernel launches.
+
+The norm of the flat buffer is the same value as torch's `get_total_norm` (the 2-norm of the
+per-parameter 2-norms) up to rounding. Clipping always uses torch's arithmetic: the clipped
+gradients are bit for bit those of `torch.nn.utils.clip_grad_norm_`."""
 
 from __future__ import annotations
 
@@ -16,15 +24,50 @@ FOREACH_DEVICES = ("cpu", "cuda")
 
 
 class GradNorm:
-    """The trainable parameters of `model` (in its order) and how to take their gradients' norm."""
+    """The trainable parameters of `model` (in its order), their gradients, and their norm."""
 
     def __init__(self, model: nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
         kinds = {(p.device, p.dtype) for p in self.params}
         self.fused = len(kinds) == 1 and next(iter(kinds))[0].type in FOREACH_DEVICES
+        self.flat, self.grads, self.versions = _flat_grads(self.params) if self.fused else (None, [], [])
+        self.intact = False  # every set gradient is in the buffer (after `settle`)
+
+    def zero(self, optimizer: torch.optim.Optimizer) -> None:
+        """Start a step's gradients at zero: the flat buffer's (each `.grad` put back on it),
+        or the optimizer's `zero_grad(set_to_none=True)` where there is none."""
+        if self.flat is None:
+            optimizer.zero_grad(set_to_none=True)
+            return
+        for p, g in zip(self.params, self.grads, strict=True):
+            if p.grad is not g:
+                p.grad = g
+        self.flat.zero_()
+        self.versions = [g._version for g in self.grads]
+
+    def settle(self) -> None:
+        """After backward: the gradient of a parameter backward did not reach is None again.
+        If something other than backward replaced a `.grad`, the buffer no longer holds every
+        gradient and the norm is taken per gradient."""
+        self.intact = self.flat is not None
+        if not self.intact:
+            return
+        for p, g, v in zip(self.params, self.grads, self.versions, strict=True):
+            if p.grad is not g:
+                self.intact = False
+            elif g._version == v:
+                p.grad = None  # its zeros stay in the buffer and add nothing to the norm
 
     def norm(self) -> torch.Tensor:
         """The global norm of the gradients that are set (a device scalar: no host sync)."""
+        return torch.linalg.vector_norm(self.flat) if self.intact else self.exact_norm()
+
+    def exact_norm(self) -> torch.Tensor:
+        """torch's `get_total_norm` bit for bit: the 2-norm of each gradient, stacked, and the
+        2-norm of that vector. torch's function first sorts the gradients by device and dtype
+        and moves each norm to the first device, a dozen small operations a step; where the
+        trainable parameters share one device and dtype (almost always) this does the same
+        arithmetic in three."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or not self.fused:
             return torch.nn.utils.get_total_norm(grads)
@@ -33,6 +76,23 @@ class GradNorm:
     def clip(self, max_norm: float) -> torch.Tensor:
         """The norm, after scaling the gradients by min(1, max_norm / (norm + 1e-6)) in place
         (`torch.nn.utils.clip_grad_norm_`); returns the norm before clipping."""
-        total = self.norm()
+        total = self.exact_norm()
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
         return total
+
+
+def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list[torch.Tensor], list[int]]:
+    """A zeroed buffer for every parameter's gradient, and per parameter a tensor of its shape
+    on the buffer's memory (not a view of it: each keeps its own version counter). None on
+    CUDA, and where a parameter is not contiguous (a gradient of the parameter's strides could
+    not tile the buffer)."""
+    if not params or params[0].device.type != "cpu" or not all(p.is_contiguous() for p in params):
+        return None, [], []
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    grads, offset = [], 0
+    for p in params:
+        g = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        g.set_(flat.untyped_storage(), offset, p.shape, p.stride())
+        grads.append(g)
+        offset += p.numel()
+    return flat, grads, [g._version for g in grads]

@@ -33,8 +33,9 @@ def train_step(
     ctx.timer.got_batch()
     if progress.interval_start is None:
         progress.interval_start = time.perf_counter()
-    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.grad_norm.zero(ctx.optimizer)
     loss = forward_backward(ctx, batch)
+    ctx.grad_norm.settle()
     update(ctx)
     progress.step += 1
     progress.steps_in_interval += 1

@@ -2,10 +2,12 @@
 (bit for bit) and numpy the independent check of the value."""
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from service.trainer.grad_norm import GradNorm
+from tests.helpers.two_branches import TwoBranches
 
 
 def model_with_grads(dtype=torch.float32, frozen: bool = False) -> nn.Module:
@@ -59,3 +61,76 @@ def test_clipping_scales_as_torchs_clip_grad_norm():
     assert abs(numpy_norm(model) - 0.25 * before) < 1e-4 * before
     loose = GradNorm(model).clip(10 * before)  # above the norm: nothing changes
     assert abs(loose.item() - numpy_norm(model)) < 1e-5 * before
+
+
+def train_two_branches(steps: int, service: bool):
+    """AdamW with weight decay (which moves a parameter even at a zero gradient, so a gradient
+    left at zero instead of None shows), the heads alternating a, a, b. `service`: the step's
+    gradients as `GradNorm` keeps them; otherwise as a plain loop does. Returns the model, each
+    step's norm, and which parameters had a gradient at each step."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    grads = GradNorm(model)
+    norms, had = [], []
+    for step in range(steps):
+        x = torch.randn(5, 6)
+        if service:
+            grads.zero(opt)
+        else:
+            opt.zero_grad(set_to_none=True)
+        model(x, "b" if step % 3 == 2 else "a").square().mean().backward()
+        if service:
+            grads.settle()
+        norms.append(grads.norm().item())
+        had.append([p.grad is not None for p in model.parameters()])
+        opt.step()
+    return model, norms, had
+
+
+def test_on_cpu_the_gradients_live_in_one_buffer_and_the_norm_is_torchs_value():
+    model = TwoBranches()
+    grads = GradNorm(model)
+    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(5, 6), "a").square().sum().backward()
+    grads.settle()
+    assert grads.intact
+    for p in model.a.parameters():
+        assert p.grad.untyped_storage().data_ptr() == grads.flat.untyped_storage().data_ptr()
+    reference = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert abs(grads.norm().item() - reference.item()) < 1e-6 * reference.item()
+    assert abs(grads.norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
+
+
+def test_a_parameter_a_step_does_not_reach_is_skipped_by_the_optimizer_as_after_set_to_none():
+    """Bit for bit the plain loop's weights, though AdamW's weight decay would move an unused
+    head whose gradient were left at zero."""
+    mine, norms, had = train_two_branches(7, service=True)
+    plain, plain_norms, plain_had = train_two_branches(7, service=False)
+    assert had == plain_had
+    assert [h[4] for h in had] == [False, False, True] * 2 + [False]  # head b's weight
+    for p, q in zip(mine.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert norms == pytest.approx(plain_norms, rel=1e-6)
+
+
+def test_a_gradient_replaced_outside_backward_is_normed_where_it_is():
+    model = TwoBranches()
+    grads = GradNorm(model)
+    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(5, 6), "a").square().sum().backward()
+    model.a.bias.grad = torch.full_like(model.a.bias, 3.0)  # e.g. a hook of the user's
+    grads.settle()
+    assert not grads.intact
+    assert abs(grads.norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
+
+
+def test_a_non_contiguous_parameter_keeps_torchs_own_gradients():
+    model = nn.Linear(4, 3)
+    model.weight = nn.Parameter(torch.randn(4, 3).t())  # strides (1, 3)
+    grads = GradNorm(model)
+    assert grads.flat is None
+    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(2, 4)).sum().backward()
+    grads.settle()
+    assert abs(grads.norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
