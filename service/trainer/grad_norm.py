@@ -30,7 +30,9 @@ class GradNorm:
         self.params = [p for p in model.parameters() if p.requires_grad]
         kinds = {(p.device, p.dtype) for p in self.params}
         self.fused = len(kinds) == 1 and next(iter(kinds))[0].type in FOREACH_DEVICES
-        self.flat, self.grads, self.versions = _flat_grads(self.params) if self.fused else (None, [], [])
+        self.flat, self.grads, self.versions = None, [], []
+        if self.fused:
+            self.flat, self.grads, self.versions = _flat_grads(model, self.params)
         self.intact = False  # every set gradient is in the buffer (after `settle`)
 
     def zero(self, optimizer: torch.optim.Optimizer) -> None:
@@ -81,12 +83,14 @@ class GradNorm:
         return total
 
 
-def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list[torch.Tensor], list[int]]:
-    """A zeroed buffer for every parameter's gradient, and per parameter a tensor of its shape
-    on the buffer's memory (not a view of it: each keeps its own version counter). None on
-    CUDA, and where a parameter is not contiguous (a gradient of the parameter's strides could
-    not tile the buffer)."""
-    if not params or params[0].device.type != "cpu" or not all(p.is_contiguous() for p in params):
+def _flat_grads(model: nn.Module, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list, list]:
+    """A zeroed buffer for every parameter's gradient (`params`: one device and dtype), and per
+    parameter a tensor of its shape on the buffer's memory (not a view of it: each keeps its own
+    version counter). None on CUDA; where a parameter is not contiguous (a gradient of its
+    strides could not tile the buffer); and with a sparse embedding, whose gradient is sparse
+    (accumulated into a dense buffer it would not be)."""
+    sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
+    if not params or params[0].device.type != "cpu" or sparse or not all(p.is_contiguous() for p in params):
         return None, [], []
     flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     grads, offset = [], 0

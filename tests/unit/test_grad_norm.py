@@ -134,3 +134,13 @@ def test_a_non_contiguous_parameter_keeps_torchs_own_gradients():
     model(torch.randn(2, 4)).sum().backward()
     grads.settle()
     assert abs(grads.norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
+
+
+def test_a_sparse_embedding_keeps_its_sparse_gradient():
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 2))
+    grads = GradNorm(model)
+    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.tensor([1, 4])).sum().backward()
+    grads.settle()
+    assert model[0].weight.grad.is_sparse
+    assert GradNorm(nn.Sequential(nn.Embedding(10, 3), nn.Linear(3, 2))).flat is not None
