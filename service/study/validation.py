@@ -159,21 +159,29 @@ def _schedule_value_errors(name: str, hp: HParam):
         yield f"a fraction of the base learning rate: must be in [0, 1] (got {', '.join(map(str, values))})"
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32. The optimizers multiply float32 weights by the learning rate and the
+weight decay: torch refuses a factor above it ("cannot be converted to type float without
+overflow") on every step of every trial."""
+
 NUMBER_HPARAMS = {
-    CLIP_HPARAM: ("a gradient norm", True),
-    "learning_rate": ("a learning rate", False),  # 0 trains nothing: a baseline, or ties on purpose
-    "weight_decay": ("a weight decay", False),
+    CLIP_HPARAM: ("a gradient norm", True, math.inf),
+    "learning_rate": ("a learning rate", False, FLOAT32_MAX),  # 0 trains nothing: a baseline, or ties
+    "weight_decay": ("a weight decay", False, FLOAT32_MAX),
 }
-"""Hyperparameters that must be numbers: what each is, and whether it must be > 0 (else >= 0),
-as the optimizers accept them (torch refuses a negative learning rate or weight decay)."""
+"""Hyperparameters that must be numbers (finite: `HParam`'s own check): what each is, whether
+it must be > 0 (else >= 0) and its largest value, as the optimizers accept them (torch refuses a
+negative learning rate or weight decay)."""
 
 
-def _number_errors(hp: HParam, what: str, positive: bool):
+def _number_errors(hp: HParam, what: str, positive: bool, largest: float):
     values = hp.extremes
     if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
         yield f"{what}: must be a number (got {', '.join(map(str, values))})"
     elif min(values) < 0 or (positive and min(values) == 0):
         yield f"{what}: must be {'>' if positive else '>='} 0 (got {min(values)})"
+    elif max(values) > largest:
+        yield f"{what}: must be at most {largest:.4g}, the largest float32 (got {max(values):g})"
 
 
 def ghost_batch_fits(batch_size: int, world_size: int, virtual_batch_size: int) -> bool:

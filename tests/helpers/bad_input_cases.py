@@ -143,6 +143,12 @@ def _(c):
     return run(c), "search.learning_rate"
 
 
+@case("study-file-learning-rate-beyond-float32-on-run")
+def _(c):
+    c.raw["search"]["learning_rate"] = {"role": "fixed", "value": 1e300}
+    return run(c), "search.learning_rate"
+
+
 @case("study-file-negative-num-hosts")
 def _(c):
     c.set("scaling.num_hosts", -1)

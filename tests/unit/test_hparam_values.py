@@ -29,6 +29,16 @@ def study_with(**search):
         ),
         ("learning_rate", {"role": "fixed", "value": "fast"}, "a learning rate: must be a number (got fast)"),
         ("weight_decay", {"role": "fixed", "value": -1e-4}, "a weight decay: must be >= 0 (got -0.0001)"),
+        (
+            "learning_rate",
+            {"role": "fixed", "value": 1e300},
+            "a learning rate: must be at most 3.403e+38, the largest float32 (got 1e+300)",
+        ),
+        (
+            "weight_decay",
+            {"role": "nuisance", "min": 0.0, "max": 1e39},
+            "a weight decay: must be at most 3.403e+38, the largest float32 (got 1e+39)",
+        ),
     ],
 )
 def test_a_learning_rate_or_weight_decay_no_optimizer_takes_is_refused_naming_the_field(name, hp, message):
