@@ -1,19 +1,31 @@
 """The gradients of a step: where they are kept, their global 2-norm, taken every step (the
 clipping verdict and `grad_clip_norm` read it), and clipping to it.
 
-On CPU the gradients live in one flat buffer, set up once (`Gradients.zero` instead of the
-optimizer's `zero_grad(set_to_none=True)`). Each parameter's `.grad` shares the buffer's memory,
-backward accumulates into it in place, and the norm of the buffer is one operation. On CPU every
-torch operation is a synchronous dispatch: a fresh gradient tensor per parameter per step and a
-norm per parameter cost more than the whole update of a small model. A parameter that received
-no gradient in a step (unused by this forward pass) has its `.grad` set to None after backward,
-so the optimizer skips it exactly as after `zero_grad(set_to_none=True)`: its version counter
-tells, as backward's in-place accumulation bumps it. On CUDA the gradients are torch's own (freed
-between steps, which keeps peak memory down) and the norm is three kernel launches.
+In a one-process CPU trial the gradients live in one flat buffer (`GradNorm.zero` instead of
+the optimizer's `zero_grad(set_to_none=True)`). Each parameter's `.grad` shares the buffer's
+memory, backward accumulates into it in place, and the norm of the buffer is one operation. On
+CPU every torch operation is a synchronous dispatch: a fresh gradient tensor per parameter per
+step and a norm per parameter cost more than the whole update of a small model.
 
-The norm of the flat buffer is the same value as torch's `get_total_norm` (the 2-norm of the
-per-parameter 2-norms) up to rounding. Clipping always uses torch's arithmetic: the clipped
-gradients are bit for bit those of `torch.nn.utils.clip_grad_norm_`."""
+What a user of torch sees is unchanged, bit for bit:
+- a parameter that received no gradient in a step (unused by this forward pass) has its
+  `.grad` set to None after backward, so the optimizer skips it exactly as after
+  `zero_grad(set_to_none=True)`: its version counter tells, as backward's in-place
+  accumulation bumps it;
+- the buffer is zeroed to -0.0, the additive identity, so each gradient is backward's own
+  value, sign of zero included;
+- the first step runs on torch's own gradients, and the buffer is made only if they were all
+  dense (a sparse embedding's, even a functional one's, stays sparse); they are copied into it
+  before their norm is taken, so every step's norm is the buffer's (a resumed run logs the
+  same norms as an uninterrupted one, bit for bit);
+- a gradient something else put in `.grad` (a hook) is normed where it is.
+Torch's own gradients are kept on CUDA (freed between steps: peak memory), with several ranks
+(DDP hands an undefined gradient on as a defined zero once `.grad` exists) and with the
+workload's own optimizer (which may keep a `.grad` from one step to the next without a copy).
+
+The norm of the buffer is torch's `get_total_norm` (the 2-norm of the per-parameter 2-norms)
+up to rounding. Clipping always uses torch's arithmetic: the clipped gradients are bit for bit
+those of `torch.nn.utils.clip_grad_norm_`."""
 
 from __future__ import annotations
 
@@ -26,13 +38,14 @@ FOREACH_DEVICES = ("cpu", "cuda")
 class GradNorm:
     """The trainable parameters of `model` (in its order), their gradients, and their norm."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, buffer: bool = True):
+        """`buffer`: keep the gradients in one buffer where it can (see the module docstring)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         kinds = {(p.device, p.dtype) for p in self.params}
         self.fused = len(kinds) == 1 and next(iter(kinds))[0].type in FOREACH_DEVICES
         self.flat, self.grads, self.versions = None, [], []
-        if self.fused:
-            self.flat, self.grads, self.versions = _flat_grads(model, self.params)
+        self.pending = buffer and self.fused and self.params[0].device.type == "cpu"
+        """The buffer is still to be made, after the first step shows the gradients are dense."""
         self.intact = False  # every set gradient is in the buffer (after `settle`)
 
     def zero(self, optimizer: torch.optim.Optimizer) -> None:
@@ -44,13 +57,17 @@ class GradNorm:
         for p, g in zip(self.params, self.grads, strict=True):
             if p.grad is not g:
                 p.grad = g
-        self.flat.zero_()
+        self.flat.fill_(-0.0)
         self.versions = [g._version for g in self.grads]
 
     def settle(self) -> None:
         """After backward: the gradient of a parameter backward did not reach is None again.
         If something other than backward replaced a `.grad`, the buffer no longer holds every
         gradient and the norm is taken per gradient."""
+        if self.pending:
+            self.pending = False
+            self.intact = self._move_to_buffer()
+            return
         self.intact = self.flat is not None
         if not self.intact:
             return
@@ -59,6 +76,19 @@ class GradNorm:
                 self.intact = False
             elif g._version == v:
                 p.grad = None  # its zeros stay in the buffer and add nothing to the norm
+
+    def _move_to_buffer(self) -> bool:
+        """After the first step: make the buffer, if its gradients allow it, and move them
+        into it (a copy: the same bits). Whether it was made."""
+        self.flat, self.grads, self.versions = _flat_grads(self.params)
+        if self.flat is None:
+            return False
+        self.flat.fill_(-0.0)
+        for p, g in zip(self.params, self.grads, strict=True):
+            if p.grad is not None:
+                g.copy_(p.grad)
+                p.grad = g
+        return True
 
     def norm(self) -> torch.Tensor:
         """The global norm of the gradients that are set (a device scalar: no host sync)."""
@@ -83,14 +113,13 @@ class GradNorm:
         return total
 
 
-def _flat_grads(model: nn.Module, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list, list]:
-    """A zeroed buffer for every parameter's gradient (`params`: one device and dtype), and per
+def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list, list]:
+    """A buffer for every parameter's gradient (`params`: one device and dtype), and per
     parameter a tensor of its shape on the buffer's memory (not a view of it: each keeps its own
-    version counter). None on CUDA; where a parameter is not contiguous (a gradient of its
-    strides could not tile the buffer); and with a sparse embedding, whose gradient is sparse
-    (accumulated into a dense buffer it would not be)."""
-    sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
-    if not params or params[0].device.type != "cpu" or sparse or not all(p.is_contiguous() for p in params):
+    version counter). None where a gradient (backward's own, from the step just done) is sparse,
+    or a parameter is not contiguous (a gradient of its strides could not tile the buffer)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(g.layout != torch.strided for g in grads) or not all(p.is_contiguous() for p in params):
         return None, [], []
     flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     grads, offset = [], 0

@@ -119,7 +119,7 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         timer=InputTimer(),
         sync_debug=step_sync_debug(study.input, device),
         clip_norm=clip_norm(plan.hparams),
-        grad_norm=GradNorm(model),
+        grad_norm=GradNorm(model, buffer=ddp is model and tr.optimizer != "workload"),
         precision=Precision(tr.precision, device),
         microbatch_size=tr.microbatch_size,
     )

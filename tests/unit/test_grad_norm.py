@@ -67,7 +67,7 @@ def train_two_branches(steps: int, service: bool):
     """AdamW with weight decay (which moves a parameter even at a zero gradient, so a gradient
     left at zero instead of None shows), the heads alternating a, a, b. `service`: the step's
     gradients as `GradNorm` keeps them; otherwise as a plain loop does. Returns the model, each
-    step's norm, and which parameters had a gradient at each step."""
+    step's norm, which parameters had a gradient at each step, and the GradNorm."""
     torch.manual_seed(0)
     model = TwoBranches()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
@@ -85,15 +85,21 @@ def train_two_branches(steps: int, service: bool):
         norms.append(grads.norm().item())
         had.append([p.grad is not None for p in model.parameters()])
         opt.step()
-    return model, norms, had
+    return model, norms, had, grads
 
 
-def test_on_cpu_the_gradients_live_in_one_buffer_and_the_norm_is_torchs_value():
+def one_step(model: nn.Module, grads: GradNorm, loss_of) -> None:
+    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss_of(model).backward()
+    grads.settle()
+
+
+def test_on_cpu_the_gradients_live_in_one_buffer_after_the_first_step_and_the_norm_is_torchs_value():
     model = TwoBranches()
     grads = GradNorm(model)
-    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.randn(5, 6), "a").square().sum().backward()
-    grads.settle()
+    one_step(model, grads, lambda m: m(torch.randn(5, 6), "a").square().sum())
+    assert grads.intact and model.b.weight.grad is None  # torch's gradients, moved into the buffer
+    one_step(model, grads, lambda m: m(torch.randn(5, 6), "a").square().sum())
     assert grads.intact
     for p in model.a.parameters():
         assert p.grad.untyped_storage().data_ptr() == grads.flat.untyped_storage().data_ptr()
@@ -105,8 +111,9 @@ def test_on_cpu_the_gradients_live_in_one_buffer_and_the_norm_is_torchs_value():
 def test_a_parameter_a_step_does_not_reach_is_skipped_by_the_optimizer_as_after_set_to_none():
     """Bit for bit the plain loop's weights, though AdamW's weight decay would move an unused
     head whose gradient were left at zero."""
-    mine, norms, had = train_two_branches(7, service=True)
-    plain, plain_norms, plain_had = train_two_branches(7, service=False)
+    mine, norms, had, grads = train_two_branches(7, service=True)
+    plain, plain_norms, plain_had, _ = train_two_branches(7, service=False)
+    assert grads.intact
     assert had == plain_had
     assert [h[4] for h in had] == [False, False, True] * 2 + [False]  # head b's weight
     for p, q in zip(mine.parameters(), plain.parameters(), strict=True):
@@ -114,14 +121,28 @@ def test_a_parameter_a_step_does_not_reach_is_skipped_by_the_optimizer_as_after_
     assert norms == pytest.approx(plain_norms, rel=1e-6)
 
 
+def test_a_negative_zero_gradient_keeps_its_sign():
+    """The buffer starts each step at -0.0, the additive identity: +0.0 would turn backward's
+    -0.0 into +0.0 (and SGD then moves a -0.0 weight to +0.0)."""
+    c = torch.tensor([-0.0, 0.0, -1.0, 2.0])
+    model = nn.Linear(4, 1, bias=False)
+    grads = GradNorm(model)
+    for _ in range(2):
+        one_step(model, grads, lambda m: (m.weight * c).sum())
+    assert grads.intact
+    assert torch.equal(torch.signbit(model.weight.grad[0]), torch.signbit(c))
+
+
 def test_a_gradient_replaced_outside_backward_is_normed_where_it_is():
     model = TwoBranches()
     grads = GradNorm(model)
-    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.randn(5, 6), "a").square().sum().backward()
-    model.a.bias.grad = torch.full_like(model.a.bias, 3.0)  # e.g. a hook of the user's
-    grads.settle()
-    assert not grads.intact
+    for replace in (False, True):
+        grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.randn(5, 6), "a").square().sum().backward()
+        if replace:
+            model.a.bias.grad = torch.full_like(model.a.bias, 3.0)  # e.g. a hook of the user's
+        grads.settle()
+    assert grads.flat is not None and not grads.intact
     assert abs(grads.norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
 
 
@@ -129,18 +150,39 @@ def test_a_non_contiguous_parameter_keeps_torchs_own_gradients():
     model = nn.Linear(4, 3)
     model.weight = nn.Parameter(torch.randn(4, 3).t())  # strides (1, 3)
     grads = GradNorm(model)
+    for _ in range(2):
+        one_step(model, grads, lambda m: m(torch.randn(2, 4)).sum())
     assert grads.flat is None
-    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.randn(2, 4)).sum().backward()
-    grads.settle()
     assert abs(grads.norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
 
 
-def test_a_sparse_embedding_keeps_its_sparse_gradient():
-    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 2))
+class FunctionalSparse(nn.Module):
+    """A sparse lookup through `F.embedding`: no module says `sparse`."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.head = nn.Parameter(torch.randn(10, 3)), nn.Linear(3, 2)
+
+    def forward(self, idx):
+        return self.head(nn.functional.embedding(idx, self.table, sparse=True))
+
+
+@pytest.mark.parametrize(
+    "model", [lambda: nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 2)), FunctionalSparse]
+)
+def test_a_sparse_gradient_stays_sparse(model):
+    model = model()
     grads = GradNorm(model)
-    grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.tensor([1, 4])).sum().backward()
-    grads.settle()
-    assert model[0].weight.grad.is_sparse
-    assert GradNorm(nn.Sequential(nn.Embedding(10, 3), nn.Linear(3, 2))).flat is not None
+    for _ in range(2):
+        one_step(model, grads, lambda m: m(torch.tensor([1, 4])).sum())
+        assert next(model.parameters()).grad.is_sparse
+    assert grads.flat is None
+
+
+def test_without_buffer_the_gradients_are_torchs_own():
+    """With several ranks or the workload's own optimizer (`trainer.setup`)."""
+    model = TwoBranches()
+    grads = GradNorm(model, buffer=False)
+    for _ in range(2):
+        one_step(model, grads, lambda m: m(torch.randn(5, 6), "a").square().sum())
+    assert grads.flat is None and model.b.weight.grad is None
