@@ -193,6 +193,13 @@ class ParquetReader:
         md = self._footer(uri)
         return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
+    def row_group_bytes(self, uri: str) -> list[int]:
+        """Per row group, the uncompressed bytes of the columns read (footer only)."""
+        md = self._footer(uri)
+        read = [j for j in range(md.num_columns) if md.schema.column(j).path.split(".")[0] in self.columns]
+        groups = [md.row_group(i) for i in range(md.num_row_groups)]
+        return [sum(g.column(j).total_uncompressed_size for j in read) for g in groups]
+
     def read_row_group(self, uri: str, index: int, threads: bool = False) -> pa.Table:
         """One row group's columns, decoded on the calling thread, or with `threads` on Arrow's
         threads too (a local file only: the loader reads several row groups at once on its own

@@ -6,12 +6,16 @@ The training order (the shuffle trade-off). A full per-epoch permutation of the 
 whole shard in memory (or a random read per example). Instead each epoch
 1. permutes the shard's *pieces* (a row group, or the part of one that belongs to this rank)
    with a generator seeded from (data_seed, epoch), then
-2. cuts that order into windows of `shuffle_window_row_groups` pieces and permutes the rows
-   inside each window with a generator seeded from (data_seed, epoch, window).
+2. cuts that order into windows of consecutive pieces, each at least `shuffle_window_row_groups`
+   pieces holding at least `shuffle_window_bytes` (the columns read, uncompressed, from the
+   footers; the epoch's last window takes what is left), and permutes the rows inside each
+   window with a generator seeded from (data_seed, epoch, window).
 Every example is seen once per epoch and examples from distant row groups meet in a batch as
 often as the window allows; a larger window mixes better and costs memory (window rows x
-row size). Rows written in a meaningful order (by label, by time) should be shuffled once
-offline (`playbook preprocess` does) so that row groups are themselves mixed.
+row size). Counting the window in bytes as well as row groups keeps small row groups from
+making small windows, which mix few rows and pay the per-window work every few batches.
+Rows written in a meaningful order (by label, by time) should be shuffled once offline
+(`playbook preprocess` does) so that row groups are themselves mixed.
 
 The batch for step s is rows [s*B, (s+1)*B) of that infinite sequence, so the stream can start
 at any step from footers alone: the data position in a checkpoint is the step, and a resumed
@@ -77,11 +81,12 @@ class TrainStream:
         shuffle_window_row_groups: int = DEFAULT_SHUFFLE_WINDOW_ROW_GROUPS,
         cache_bytes: int = 0,
         hparams: dict | None = None,
+        shuffle_window_bytes: int = 0,
     ):
         self.workload, self.batch_size, self.data_seed = workload, batch_size, data_seed
         self.hparams = dict(hparams or {})
         """The trial's hyperparameters, for the workload's `augment`."""
-        self.window = shuffle_window_row_groups
+        self.window, self.window_bytes = shuffle_window_row_groups, shuffle_window_bytes
         self.stats = LoaderStats()
         self.pieces = pieces_of(ranges, ParquetReader(workload.columns, workload))
         self.num_examples = sum(p.num_rows for p in self.pieces)
@@ -92,8 +97,14 @@ class TrainStream:
 
     def _windows(self, epoch: int) -> list[list[Piece]]:
         order = np.random.default_rng([self.data_seed, epoch]).permutation(len(self.pieces))
-        ordered = [self.pieces[i] for i in order]
-        return [ordered[i : i + self.window] for i in range(0, len(ordered), self.window)]
+        windows, window, size = [], [], 0
+        for i in order:
+            window.append(self.pieces[i])
+            size += self.pieces[i].num_bytes
+            if len(window) >= self.window and size >= self.window_bytes:
+                windows.append(window)
+                window, size = [], 0
+        return windows + [window] if window else windows
 
     def plan(self, position: int) -> Iterator[WindowTask]:
         """The windows from example `position` of the infinite sequence on (footers only)."""

@@ -30,12 +30,14 @@ example but was slower on 2 cores (docs/performance.md)."""
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [lo, hi) of row group `row_group` of `uri` (a rank's share of one row group)."""
+    """Rows [lo, hi) of row group `row_group` of `uri` (a rank's share of one row group), and
+    their share of the row group's uncompressed bytes of the columns read."""
 
     uri: str
     row_group: int
     lo: int
     hi: int
+    num_bytes: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -72,11 +74,12 @@ def pieces_of(ranges: list[RowRange], reader: ParquetReader) -> list[Piece]:
     """The row ranges cut at row-group boundaries (footers only)."""
     out = []
     for r in ranges:
-        offset = 0
-        for i, n in enumerate(reader.row_group_sizes(r.file.uri)):
+        offset, uri = 0, r.file.uri
+        sizes = zip(reader.row_group_sizes(uri), reader.row_group_bytes(uri), strict=True)
+        for i, (n, size) in enumerate(sizes):
             lo, hi = max(r.start, offset), min(r.stop, offset + n)
             if lo < hi:
-                out.append(Piece(r.file.uri, i, lo - offset, hi - offset))
+                out.append(Piece(uri, i, lo - offset, hi - offset, size * (hi - lo) // n))
             offset += n
     return out
 

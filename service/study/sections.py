@@ -21,7 +21,12 @@ class InputPipeline:
     the input-bound verdict says prefetch is too shallow."""
     shuffle_window_row_groups: int = 4
     """Row groups whose rows are shuffled together (after shuffling the order of row groups
-    every epoch). Larger mixes better and holds more rows in memory per rank."""
+    every epoch), at least. Larger mixes better and holds more rows in memory per rank."""
+    shuffle_window_mb: int = 64
+    """A shuffle window also holds at least this many MB of the rank's rows (the columns read,
+    uncompressed, as the parquet footers give them): with small row groups, a few of them
+    shuffle few rows together, and the loader's per-window work recurs every few batches.
+    0: windows of `shuffle_window_row_groups` alone."""
     cache_mb: int = 256
     """Per rank: when the rank's training shard fits in this many MB (its declared columns,
     uncompressed), its rows are kept in memory after the first epoch reads them, and later
@@ -51,7 +56,7 @@ class InputPipeline:
 
     def errors(self):
         yield from positive(self, "num_input_workers", "cpus_per_input_worker")
-        yield from non_negative(self, "prefetch_batches", "profile_steps", "cache_mb")
+        yield from non_negative(self, "prefetch_batches", "profile_steps", "cache_mb", "shuffle_window_mb")
         yield from positive(self, "shuffle_window_row_groups")
         if not 0 < self.input_bound_threshold < 1:
             yield "input_bound_threshold", f"must be in (0, 1) (got {self.input_bound_threshold})"

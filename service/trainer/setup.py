@@ -136,6 +136,7 @@ def train_stream(plan: TrialPlan, topo: Topology, workload, shard, seed: int) ->
         study.input.shuffle_window_row_groups,
         cache_bytes=study.input.cache_mb << 20,
         hparams=plan.hparams,
+        shuffle_window_bytes=study.input.shuffle_window_mb << 20,
     )
 
 

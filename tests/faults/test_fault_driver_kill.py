@@ -29,7 +29,7 @@ from tests.helpers.studies import same_nested, study_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 STEPS, EVERY = 3000, 500  # long enough (seconds, on the fast path) to kill the last trial mid-run
-LEARNING_RATES = [0.05, 1e20, 0.1]  # explore-0001 diverges; explore-0002 runs after it
+LEARNING_RATES = [0.05, 1e30, 0.1]  # explore-0001 diverges; explore-0002 runs after it
 TRIALS = [f"explore-{i:04d}" for i in range(len(LEARNING_RATES))]
 DROP = TIMING_FIELDS
 

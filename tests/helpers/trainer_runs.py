@@ -101,6 +101,8 @@ def plain_loop_parts(plan: TrialPlan):
         train_shard(list_files(plan.study.data.train), 1, 0, 1, 0),
         plan.study.training.batch_size,
         data_seed(plan.trial_seed, 0, 0),
+        plan.study.input.shuffle_window_row_groups,
+        shuffle_window_bytes=plan.study.input.shuffle_window_mb << 20,
     )
     return workload, model, optimizer, stream
 

@@ -148,7 +148,7 @@ def test_resume_matches_uninterrupted_run(digits_dir, tmp_path, workload_class):
 
 
 def test_nan_loss_ends_trial_as_diverged(digits_dir, tmp_path):
-    hparams = {**HPARAMS, "learning_rate": 1e20}
+    hparams = {**HPARAMS, "learning_rate": 1e30}
     plan = make_plan(
         digits_dir,
         tmp_path / "storage",
@@ -300,7 +300,11 @@ def test_ghost_batch_norm_is_what_the_loop_trains_with(digits_dir, tmp_path, gho
     model = Digits().build_model(HPARAMS)
     workload = Digits()
     stream = TrainStream(
-        workload, train_shard(list_files(str(digits_dir / "train")), 1, 0, 1, 0), 32, data_seed(0, 0, 0)
+        workload,
+        train_shard(list_files(str(digits_dir / "train")), 1, 0, 1, 0),
+        32,
+        data_seed(0, 0, 0),
+        shuffle_window_bytes=plan.study.input.shuffle_window_mb << 20,  # the study's windows
     )
     with torch.no_grad():
         conv = model.features[0](stream.batch(0)["features"]).double()

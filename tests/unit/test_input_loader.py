@@ -4,6 +4,7 @@ resumability, bad files named with the column, prefetch, and memory bounded by t
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import statistics
@@ -178,39 +179,49 @@ def test_any_start_step_continues_the_same_sequence(many_groups):
     assert ids_of(other) != ids_of(reference)
 
 
-def documented_order(ranges: list[RowRange], seed: int, window: int, epochs: int) -> dict[str, np.ndarray]:
+def documented_order(
+    ranges: list[RowRange], seed: int, window: int, epochs: int, window_bytes: int = 0
+) -> dict[str, np.ndarray]:
     """The training sequence as loader.py's docstring states it, by hand with pyarrow and numpy:
     each epoch the shard's pieces (row groups cut to the ranges) in the order permutation(seed,
-    epoch), cut into windows of `window` pieces, each window's rows in the order
-    permutation(seed, epoch, window)."""
-    pieces = []
+    epoch), cut into windows of consecutive pieces, each at least `window` of them holding at
+    least `window_bytes` (a piece's share of its row group's uncompressed bytes of the columns
+    read, from the footer), each window's rows in the order permutation(seed, epoch, window)."""
+    pieces, sizes = [], []
     for r in ranges:
         pf, offset = pq.ParquetFile(r.file.uri), 0
+        read = [
+            j
+            for j in range(pf.metadata.num_columns)
+            if pf.schema.column(j).path.split(".")[0] in Digits().columns
+        ]
         for g in range(pf.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
+            rg = pf.metadata.row_group(g)
+            n, size = rg.num_rows, sum(rg.column(j).total_uncompressed_size for j in read)
             lo, hi = max(r.start, offset), min(r.stop, offset + n)
             if lo < hi:
                 pieces.append(pf.read_row_group(g).slice(lo - offset, hi - lo))
+                sizes.append(size * (hi - lo) // n)
             offset += n
     out = []
     for epoch in range(epochs):
-        order = np.random.default_rng([seed, epoch]).permutation(len(pieces))
-        for w, start in enumerate(range(0, len(order), window)):
-            rows = pa.concat_tables([pieces[i] for i in order[start : start + window]])
+        order = list(np.random.default_rng([seed, epoch]).permutation(len(pieces)))
+        windows = [[]]
+        for i in order:
+            if len(windows[-1]) >= window and sum(sizes[j] for j in windows[-1]) >= window_bytes:
+                windows.append([])
+            windows[-1].append(i)
+        for w, members in enumerate(windows):
+            rows = pa.concat_tables([pieces[i] for i in members])
             out.append(rows.take(np.random.default_rng([seed, epoch, w]).permutation(rows.num_rows)))
     table = pa.concat_tables(out)
     pixels = table.column("pixels").combine_chunks().flatten().to_numpy().reshape(-1, 1, 8, 8)
     return {"example_id": table.column("example_id").to_numpy(), "features": pixels}
 
 
-def test_the_read_ahead_stream_is_the_documented_order_from_every_start_step(many_groups):
-    """The stream (windows read ahead, batches gathered from each shuffled window) gives the
-    batch of step s as the documented order computed by hand, from step 0, from any start step
-    (a resume) and through the prefetch thread."""
-    ranges, _ = many_groups
-    batch, window, seed = 7, 3, 6
-    want = documented_order(ranges, seed, window, epochs=3)
-    make = lambda: TrainStream(Digits(), ranges, batch, data_seed=seed, shuffle_window_row_groups=window)  # noqa: E731
+def check_documented_order(ranges, want: dict, make, batch: int) -> None:
+    """The stream from `make()` gives the batch of step s as `want` from step 0, from any start
+    step (a resume) and through the prefetch thread."""
     steps = len(want["example_id"]) // batch
     for start in (0, 1, 4, 11, 12, steps // 3 + 1):  # mid-window, window and epoch edges
         for prefetched in (False, True):
@@ -223,6 +234,39 @@ def test_the_read_ahead_stream_is_the_documented_order_from_every_start_step(man
                 assert np.array_equal(got["features"].numpy(), want["features"][rows]), (start, s)
             if prefetched:
                 batches.close()
+
+
+def test_the_read_ahead_stream_is_the_documented_order_from_every_start_step(many_groups):
+    """The stream (windows read ahead, batches gathered from each shuffled window) gives the
+    batch of step s as the documented order computed by hand, from step 0, from any start step
+    (a resume) and through the prefetch thread."""
+    ranges, _ = many_groups
+    batch, window, seed = 7, 3, 6
+    want = documented_order(ranges, seed, window, epochs=3)
+    make = lambda: TrainStream(Digits(), ranges, batch, data_seed=seed, shuffle_window_row_groups=window)  # noqa: E731
+    check_documented_order(ranges, want, make, batch)
+
+
+def test_windows_counted_in_bytes_are_the_documented_order_from_every_start_step(many_groups):
+    """`shuffle_window_bytes`: each window takes pieces until it holds that many bytes (and at
+    least `shuffle_window_row_groups` pieces), so windows of partial and whole row groups hold
+    different numbers of them; the order is still the documented one from every start."""
+    ranges, _ = many_groups
+    batch, seed, window_bytes = 7, 6, 5000  # an 8-row group holds about 2.2 kB here
+    want = documented_order(ranges, seed, 1, epochs=3, window_bytes=window_bytes)
+    assert not np.array_equal(want["example_id"], documented_order(ranges, seed, 2, epochs=3)["example_id"])
+    make = lambda: TrainStream(  # noqa: E731
+        Digits(),
+        ranges,
+        batch,
+        data_seed=seed,
+        shuffle_window_row_groups=1,
+        shuffle_window_bytes=window_bytes,
+    )
+    stream = make()
+    sizes = {len(t.pieces) for t in itertools.islice(stream.plan(0), 6)}
+    assert len(sizes) > 1 and min(sizes) >= 2  # pieces per window vary with their sizes
+    check_documented_order(ranges, want, make, batch)
 
 
 def test_the_next_window_is_read_while_this_one_becomes_tensors(many_groups, monkeypatch):
