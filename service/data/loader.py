@@ -94,6 +94,8 @@ class TrainStream:
             raise DataError("this rank's data shard is empty")
         self.cache_bytes = cache_bytes
         """Keep the shard's rows in memory after their first read when they fit (`WindowReader`)."""
+        self.plain = type(workload).augment is Workload.augment
+        """The workload does not augment: a window is its rows as `to_batch` made them."""
 
     def _windows(self, epoch: int) -> list[list[Piece]]:
         order = np.random.default_rng([self.data_seed, epoch]).permutation(len(self.pieces))
@@ -132,23 +134,38 @@ class TrainStream:
         tensors = self.workload.augment(tensors, self.hparams, self.data_seed, task.epoch)
         stats.augment_s += time.perf_counter() - start
         rows = sum(p.num_rows for p in task.pieces)
+        return Shuffled(tensors, self.window_order(task, rows))
+
+    def shuffled_rows(self, task: WindowTask, tensors: Batch, rows: np.ndarray) -> Shuffled:
+        """`shuffled` for a window whose rows are `rows` of `tensors` (not augmented)."""
+        return Shuffled(tensors, rows[self.window_order(task, len(rows))])
+
+    def window_order(self, task: WindowTask, rows: int) -> np.ndarray:
+        """The order of a window's rows (from its offset on): permutation(seed, epoch, window)."""
         perm = np.random.default_rng([self.data_seed, task.epoch, task.window]).permutation(rows)
-        return Shuffled(tensors, perm[task.offset :])
+        return perm[task.offset :]
 
     def _chunks(self, position: int, stats: LoaderStats) -> Iterator[Shuffled]:
         """The shuffled windows from example `position` on, each window's row groups decoded on
         the reader's threads while the one before is turned into tensors and consumed (memory:
-        two windows' rows, whatever the data size)."""
+        two windows' rows, whatever the data size). Once the whole shard is in the cache and
+        the workload does not augment, its tensors are made once and each window is an index
+        into them (`CachedShard`): the same batches, without the per-window work."""
         reader = WindowReader(self.workload, stats, self.cache_bytes)
         tasks = self.plan(position)
+        shard = None
         try:
             task = next(tasks)
             started = reader.start(task.pieces)
             for following in tasks:
-                table = reader.finish(started)
-                started = reader.start(following.pieces)
-                window = self.shuffled(task, reader.to_batch(table, list(task.pieces)), stats)
-                del table  # its rows are in the tensors now
+                shard = shard or (reader.cached_shard(self.pieces) if self.plain else None)
+                if shard is not None:
+                    window = self.shuffled_rows(task, shard.tensors, shard.rows(task.pieces))
+                else:
+                    table = reader.finish(started)
+                    started = reader.start(following.pieces)
+                    window = self.shuffled(task, reader.to_batch(table, list(task.pieces)), stats)
+                    del table  # its rows are in the tensors now
                 yield window
                 # Dropped before the next window's tensors are made: the allocator hands their
                 # memory to the next window rather than fresh pages (faulted in, zeroed).

@@ -115,6 +115,19 @@ class WindowReader:
                     self.cache = None
         return table
 
+    def cached_shard(self, pieces: list[Piece]) -> CachedShard | None:
+        """Once every one of `pieces` (the shard's, in shard order) is in the cache: their rows
+        turned into tensors once, in that order (`CachedShard`), which replace the cache (the
+        rows are kept once). None until then, and when the shard does not fit the cache."""
+        cache = self.cache
+        if cache is None or any(p not in cache for p in pieces):
+            return None
+        table = pa.concat_tables([cache[p] for p in pieces])
+        shard = CachedShard(self.to_batch(table, pieces), pieces)
+        with self._cache_lock:
+            self.cache = None
+        return shard
+
     def read(self, pieces: list[Piece]) -> Batch:
         t0 = time.perf_counter()
         table = self.read_table(pieces)
@@ -215,6 +228,21 @@ class WindowReader:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)  # a window read ahead is dropped
             self._pool = None
+
+
+class CachedShard:
+    """A cached shard's tensors, made once: a window of it is its pieces' rows picked out by
+    index (no read, no `to_batch`, no copy of the window), the same rows in the same order as
+    the window's own tensors would hold them."""
+
+    def __init__(self, tensors: Batch, pieces: list[Piece]):
+        self.tensors = tensors
+        starts = np.cumsum([0] + [p.num_rows for p in pieces])
+        self.first_row = dict(zip(pieces, starts.tolist(), strict=False))
+
+    def rows(self, pieces: tuple[Piece, ...]) -> np.ndarray:
+        """The shard rows of `pieces`, in piece order: a window's rows before its shuffle."""
+        return np.concatenate([np.arange(self.first_row[p], self.first_row[p] + p.num_rows) for p in pieces])
 
 
 def _timed(read: Callable[[Piece], pa.Table], piece: Piece) -> tuple[pa.Table, float, float]:

@@ -67,7 +67,8 @@ def test_a_ray_train_trial_through_ray_data_equals_the_local_one(ray_cluster, di
             raw[workers] = [json.loads(line) for line in f]
         logs[workers] = [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in raw[workers]]
     assert logs["ray_data"] == logs["local"]
-    # The rank itself read nothing through Ray Data (the actors did); locally it did.
+    # The rank itself read nothing through Ray Data (the actors did); locally it did (the whole
+    # shard is one window here, read before the first step and cached: in the first interval).
     assert all(r["input/read_s"] == 0 for r in raw["ray_data"])
-    assert all(r["input/read_s"] > 0 for r in raw["local"])
+    assert raw["local"][0]["input/read_s"] > 0
     assert [r["step"] for r in logs["local"]] == [15, 30]

@@ -243,8 +243,11 @@ def test_the_read_ahead_stream_is_the_documented_order_from_every_start_step(man
     ranges, _ = many_groups
     batch, window, seed = 7, 3, 6
     want = documented_order(ranges, seed, window, epochs=3)
-    make = lambda: TrainStream(Digits(), ranges, batch, data_seed=seed, shuffle_window_row_groups=window)  # noqa: E731
-    check_documented_order(ranges, want, make, batch)
+    for cache in (0, 1 << 20):  # with the cache, later epochs index the cached shard's tensors
+        make = lambda cache=cache: TrainStream(  # noqa: E731
+            Digits(), ranges, batch, data_seed=seed, shuffle_window_row_groups=window, cache_bytes=cache
+        )
+        check_documented_order(ranges, want, make, batch)
 
 
 def test_windows_counted_in_bytes_are_the_documented_order_from_every_start_step(many_groups):
@@ -255,18 +258,19 @@ def test_windows_counted_in_bytes_are_the_documented_order_from_every_start_step
     batch, seed, window_bytes = 7, 6, 5000  # an 8-row group holds about 2.2 kB here
     want = documented_order(ranges, seed, 1, epochs=3, window_bytes=window_bytes)
     assert not np.array_equal(want["example_id"], documented_order(ranges, seed, 2, epochs=3)["example_id"])
-    make = lambda: TrainStream(  # noqa: E731
+    make = lambda cache=0: TrainStream(  # noqa: E731
         Digits(),
         ranges,
         batch,
         data_seed=seed,
         shuffle_window_row_groups=1,
         shuffle_window_bytes=window_bytes,
+        cache_bytes=cache,
     )
-    stream = make()
-    sizes = {len(t.pieces) for t in itertools.islice(stream.plan(0), 6)}
+    sizes = {len(t.pieces) for t in itertools.islice(make().plan(0), 6)}
     assert len(sizes) > 1 and min(sizes) >= 2  # pieces per window vary with their sizes
     check_documented_order(ranges, want, make, batch)
+    check_documented_order(ranges, want, lambda: make(1 << 20), batch)  # the cached shard's path
 
 
 def test_the_next_window_is_read_while_this_one_becomes_tensors(many_groups, monkeypatch):
