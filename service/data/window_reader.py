@@ -237,8 +237,8 @@ class CachedShard:
 
     def __init__(self, tensors: Batch, pieces: list[Piece]):
         self.tensors = tensors
-        starts = np.cumsum([0] + [p.num_rows for p in pieces])
-        self.first_row = dict(zip(pieces, starts.tolist(), strict=False))
+        starts = np.cumsum([0] + [p.num_rows for p in pieces[:-1]])
+        self.first_row = dict(zip(pieces, starts.tolist(), strict=True))
 
     def rows(self, pieces: tuple[Piece, ...]) -> np.ndarray:
         """The shard rows of `pieces`, in piece order: a window's rows before its shuffle."""

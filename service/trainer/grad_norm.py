@@ -80,7 +80,7 @@ class GradNorm:
     def _move_to_buffer(self) -> bool:
         """After the first step: make the buffer, if its gradients allow it, and move them
         into it (a copy: the same bits). Whether it was made."""
-        self.flat, self.grads, self.versions = _flat_grads(self.params)
+        self.flat, self.grads = _flat_grads(self.params)
         if self.flat is None:
             return False
         self.flat.fill_(-0.0)
@@ -113,19 +113,19 @@ class GradNorm:
         return total
 
 
-def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list, list]:
-    """A buffer for every parameter's gradient (`params`: one device and dtype), and per
+def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """A buffer (unfilled) for every parameter's gradient (`params`: one device and dtype), and per
     parameter a tensor of its shape on the buffer's memory (not a view of it: each keeps its own
     version counter). None where a gradient (backward's own, from the step just done) is sparse,
     or a parameter is not contiguous (a gradient of its strides could not tile the buffer)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if any(g.layout != torch.strided for g in grads) or not all(p.is_contiguous() for p in params):
-        return None, [], []
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    backwards = [p.grad for p in params if p.grad is not None]
+    if any(g.layout != torch.strided for g in backwards) or not all(p.is_contiguous() for p in params):
+        return None, []
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     grads, offset = [], 0
     for p in params:
         g = torch.empty(0, dtype=flat.dtype, device=flat.device)
         g.set_(flat.untyped_storage(), offset, p.shape, p.stride())
         grads.append(g)
         offset += p.numel()
-    return flat, grads, [g._version for g in grads]
+    return flat, grads
