@@ -160,12 +160,14 @@ class TrainStream:
             for following in tasks:
                 shard = shard or (reader.cached_shard(self.pieces) if self.plain else None)
                 if shard is not None:
+                    stats.in_memory = True
                     window = self.shuffled_rows(task, shard.tensors, shard.rows(task.pieces))
                 else:
                     table = reader.finish(started)
                     started = reader.start(following.pieces)
                     window = self.shuffled(task, reader.to_batch(table, list(task.pieces)), stats)
                     del table  # its rows are in the tensors now
+                    stats.in_memory = self.plain and reader.caches(self.pieces)  # from the next window on
                 yield window
                 # Dropped before the next window's tensors are made: the allocator hands their
                 # memory to the next window rather than fresh pages (faulted in, zeroed).

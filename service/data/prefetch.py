@@ -4,14 +4,22 @@ step waits for every batch; what `input/exposed_fraction` measures).
 
 The thread hands over *runs* of consecutive items (the training stream: all the batches of one
 shuffle window) rather than one item at a time: a hand-off wakes the other thread, and one
-per window instead of one per batch keeps that cost off the step."""
+per window instead of one per batch keeps that cost off the step.
+
+On a CPU trial the thread ends once the training stream's shard is in memory (`LoaderStats.
+in_memory`: a batch is then an index into tensors, read and converted once) and the step
+gathers each batch itself. A Python thread running beside the step takes the GIL each time a
+torch operation of the step lets go of it, and the step then waits to take it back: on CPU
+those hand-offs cost more than the gather they would hide, and the gather would take the
+cores the step's operations use anyway. On CUDA the thread stays (it pins each batch)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -28,11 +36,15 @@ class Prefetcher(Iterator[T]):
     daemon thread that starts on the next run whenever fewer than `depth` items are ready (so
     at most `depth` - 1 items plus one run are ahead). Errors of the source are raised in the
     consumer, after the items before them. The thread stops at `close()` or when the
-    prefetcher is garbage collected (a finished or failed loop just drops it)."""
+    prefetcher is garbage collected (a finished or failed loop just drops it).
 
-    def __init__(self, runs: Iterator[list[T]], depth: int):
+    `handover`, asked after each run: once it is true, the thread ends and the consumer
+    computes the later runs itself (after the items already ready), in the same order."""
+
+    def __init__(self, runs: Iterator[list[T]], depth: int, handover: Callable[[], bool] | None = None):
         assert depth > 0
         self._depth = depth
+        self._direct: Iterator[T] | None = None  # the runs, once the thread handed them over
         self._ready: deque = deque()
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -40,16 +52,18 @@ class Prefetcher(Iterator[T]):
         # runs the finalizer, which stops the thread.
         self._thread = threading.Thread(
             target=_fill,
-            args=(runs, depth, self._ready, self._cond, self._stop),
+            args=(runs, depth, self._ready, self._cond, self._stop, handover),
             name="playbook-prefetch",
             daemon=True,
         )
         self._thread.start()
         # Also at interpreter exit: a daemon thread inside a parquet read while the interpreter
         # finalizes can abort the process.
-        self._finalizer = weakref.finalize(self, _stop, self._cond, self._stop, self._thread)
+        self._finalizer = weakref.finalize(self, _stop, self._cond, self._stop, self._thread, self._ready)
 
     def __next__(self) -> T:
+        if self._direct is not None:
+            return next(self._direct)
         with self._cond:
             while not self._ready:
                 self._cond.wait()
@@ -58,6 +72,9 @@ class Prefetcher(Iterator[T]):
                 raise StopIteration
             if isinstance(item, _Failure):
                 raise item.error
+            if isinstance(item, _Handover):  # kept in `_ready`: `close()` closes its source
+                self._direct = itertools.chain.from_iterable(item.runs)
+                return next(self._direct)
             self._ready.popleft()
             if len(self._ready) < self._depth:
                 # Only now is there room the thread waits for: a wake-up on every item would
@@ -69,6 +86,19 @@ class Prefetcher(Iterator[T]):
         self._finalizer()
 
 
+class _Handover:
+    """The source, handed to the consumer after the ready items (the thread has ended)."""
+
+    def __init__(self, runs: Iterator[list]):
+        self.runs = runs
+
+
+def _close(source) -> None:
+    close = getattr(source, "close", None)
+    if close:
+        close()
+
+
 class _Failure:
     """The source's error, kept at the end of the ready items (raised on every later next())."""
 
@@ -76,18 +106,26 @@ class _Failure:
         self.error = error
 
 
-def _stop(cond: threading.Condition, stop: threading.Event, thread: threading.Thread) -> None:
+def _stop(cond: threading.Condition, stop: threading.Event, thread: threading.Thread, ready: deque) -> None:
     stop.set()
     with cond:
         cond.notify_all()
     if thread is not threading.current_thread():
         thread.join(timeout=10)
+    for item in ready:
+        if isinstance(item, _Handover):
+            _close(item.runs)
 
 
-def _fill(runs: Iterator[list], depth: int, ready: deque, cond: threading.Condition, stop) -> None:
+def _fill(runs: Iterator[list], depth: int, ready: deque, cond: threading.Condition, stop, handover) -> None:
     end: object = _END
     try:
         for run in runs:  # computed outside the lock: the consumer serves what is ready meanwhile
+            if handover is not None and handover():
+                end = _Handover(runs)
+                with cond:
+                    ready.extend(run)
+                break
             with cond:
                 ready.extend(run)
                 cond.notify_all()
@@ -98,9 +136,8 @@ def _fill(runs: Iterator[list], depth: int, ready: deque, cond: threading.Condit
     except BaseException as e:  # noqa: BLE001 - handed to the consumer
         end = _Failure(e)
     finally:
-        close = getattr(runs, "close", None)
-        if close:
-            close()
+        if not isinstance(end, _Handover):
+            _close(runs)
     with cond:
         ready.append(end)
         cond.notify_all()
@@ -116,9 +153,7 @@ def _singletons(source: Iterator[T]) -> Iterator[list[T]]:
         for item in source:
             yield [item]
     finally:
-        close = getattr(source, "close", None)
-        if close:
-            close()
+        _close(source)
 
 
 def prefetch_stream(stream: TrainStream, start_step: int, depth: int, pin: bool = False) -> Iterator[Batch]:
@@ -126,11 +161,15 @@ def prefetch_stream(stream: TrainStream, start_step: int, depth: int, pin: bool 
     background thread that starts on the next window once fewer than `depth` batches are
     ready (depth 0: no thread; the step loads each window itself). With `pin` (and CUDA
     available), the thread also copies each batch into page-locked memory, so the step's
-    `.to(device, non_blocking=True)` is an asynchronous copy rather than a host-blocking one."""
+    `.to(device, non_blocking=True)` is an asynchronous copy rather than a host-blocking one.
+    Without it, the thread ends once the shard is in memory (see the module docstring)."""
     if depth == 0:
         return stream.iterate(start_step)
     runs = stream.runs(start_step)
-    return Prefetcher(_pinned(runs) if pin and torch.cuda.is_available() else runs, depth)
+    if pin and torch.cuda.is_available():
+        return Prefetcher(_pinned(runs), depth)
+    stats = stream.stats
+    return Prefetcher(runs, depth, handover=lambda: stats.in_memory)
 
 
 def _pinned(runs: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
@@ -138,6 +177,4 @@ def _pinned(runs: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
         for run in runs:
             yield [{k: v.pin_memory() for k, v in batch.items()} for batch in run]
     finally:
-        close = getattr(runs, "close", None)
-        if close:
-            close()
+        _close(runs)

@@ -58,11 +58,14 @@ class WindowTask:
 class LoaderStats:
     """Seconds the producing side spent, summed since the last `take()`: reading row groups
     (I/O and decode), the workload's `to_batch` (online preprocessing) and its `augment` (the
-    training stream's online augmentation)."""
+    training stream's online augmentation); and whether the shard is in memory as tensors, or
+    will be at the next window (`CachedShard`: each window an index into them, no read, no
+    `to_batch`)."""
 
     read_s: float = 0.0
     preprocess_s: float = 0.0
     augment_s: float = 0.0
+    in_memory: bool = False
 
     def take(self) -> tuple[float, float, float]:
         out = (self.read_s, self.preprocess_s, self.augment_s)
@@ -119,7 +122,7 @@ class WindowReader:
         """Once every one of `pieces` (the shard's, in shard order) is in the cache: their rows
         turned into tensors once, in that order (`CachedShard`), which replace the cache (the
         rows are kept once). None until then, and when the shard does not fit the cache."""
-        cache = self.cache
+        cache = self.cache  # once: a reading thread may drop the cache meanwhile
         if cache is None or any(p not in cache for p in pieces):
             return None
         table = pa.concat_tables([cache[p] for p in pieces])
@@ -127,6 +130,11 @@ class WindowReader:
         with self._cache_lock:
             self.cache = None
         return shard
+
+    def caches(self, pieces: list[Piece]) -> bool:
+        """Whether every one of `pieces` is in the cache."""
+        cache = self.cache
+        return cache is not None and all(p in cache for p in pieces)
 
     def read(self, pieces: list[Piece]) -> Batch:
         t0 = time.perf_counter()

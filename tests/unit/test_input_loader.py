@@ -422,6 +422,75 @@ def test_prefetch_hands_over_whole_runs_and_starts_the_next_below_depth():
     it.close()
 
 
+def test_prefetch_hands_the_source_over_to_the_consumer_when_asked():
+    """`handover`: once it is true after a run, the thread ends and the consumer's own thread
+    computes the later runs, the items in the same order; an error of the source is raised in
+    the consumer, and `close()` closes the source."""
+    computed_by, closed, handed = [], [], threading.Event()
+
+    def runs():
+        try:
+            for r in range(6):
+                computed_by.append(threading.current_thread().name)
+                if r == 2:
+                    handed.set()  # as the loader marks its shard in memory before the run
+                if r == 5:
+                    raise DataError("x.parquet: broken")
+                yield [(r, i) for i in range(3)]
+        finally:
+            closed.append(True)
+
+    it = Prefetcher(runs(), depth=2, handover=handed.is_set)
+    thread = it._thread
+    assert [next(it) for _ in range(15)] == [(r, i) for r in range(5) for i in range(3)]
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    me = threading.current_thread().name
+    assert computed_by == ["playbook-prefetch"] * 3 + [me, me]
+    with pytest.raises(DataError, match="x.parquet"):
+        next(it)
+    assert computed_by[5:] == [me] and closed == [True]
+
+    handed.clear()
+    closed.clear()
+    it = Prefetcher(runs(), depth=2, handover=lambda: True)
+    assert next(it) == (0, 0)
+    it._thread.join(timeout=10)
+    it.close()
+    assert closed == [True]
+
+
+@pytest.mark.parametrize("case", ["cached", "not_cached", "augments"])
+def test_a_cpu_stream_ends_its_prefetch_thread_once_its_shard_is_in_memory(many_groups, case):
+    """On CPU the prefetch thread ends once a plain workload's shard is in memory (each batch
+    is then an index into its tensors, gathered by the step itself), with the same batches. A
+    shard streamed every epoch (no cache) or augmented every epoch keeps its thread."""
+
+    class Augmenting(Digits):
+        def augment(self, tensors, hparams, data_seed, epoch):
+            return tensors
+
+    ranges, shard_ids = many_groups
+    workload = Augmenting() if case == "augments" else Digits()
+    cache = 0 if case == "not_cached" else 1 << 20
+
+    def make():
+        return TrainStream(workload, ranges, 7, data_seed=3, shuffle_window_row_groups=2, cache_bytes=cache)
+
+    before = set(threading.enumerate())
+    batches = prefetch_stream(make(), 0, 2)
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "playbook-prefetch"]
+    want = make().iterate(0)
+    for _ in range(3 * len(shard_ids) // 7):  # three epochs
+        got, expected = next(batches), next(want)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    thread.join(timeout=0.5)
+    assert thread.is_alive() == (case != "cached")
+    batches.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 # ---------------------------------------------------------------------------- memory
 
 MEASURE = """
