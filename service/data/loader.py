@@ -149,8 +149,9 @@ class TrainStream:
         """The shuffled windows from example `position` on, each window's row groups decoded on
         the reader's threads while the one before is turned into tensors and consumed (memory:
         two windows' rows, whatever the data size). Once the whole shard is in the cache and
-        the workload does not augment, its tensors are made once and each window is an index
-        into them (`CachedShard`): the same batches, without the per-window work."""
+        the workload does not augment, its tensors are made once (a window of the whole shard:
+        its own tensors) and each window is an index into them (`CachedShard`): the same
+        batches, without the per-window work."""
         reader = WindowReader(self.workload, stats, self.cache_bytes)
         tasks = self.plan(position)
         shard = None
@@ -165,9 +166,13 @@ class TrainStream:
                 else:
                     table = reader.finish(started)
                     started = reader.start(following.pieces)
-                    window = self.shuffled(task, reader.to_batch(table, list(task.pieces)), stats)
+                    tensors = reader.to_batch(table, list(task.pieces))
                     del table  # its rows are in the tensors now
+                    window = self.shuffled(task, tensors, stats)
                     stats.in_memory = self.plain and reader.caches(self.pieces)  # from the next window on
+                    if stats.in_memory and len(task.pieces) == len(self.pieces):
+                        shard = reader.shard_of(tensors, list(task.pieces))  # no second to_batch
+                    del tensors
                 yield window
                 # Dropped before the next window's tensors are made: the allocator hands their
                 # memory to the next window rather than fresh pages (faulted in, zeroed).

@@ -126,10 +126,14 @@ class WindowReader:
         if cache is None or any(p not in cache for p in pieces):
             return None
         table = pa.concat_tables([cache[p] for p in pieces])
-        shard = CachedShard(self.to_batch(table, pieces), pieces)
+        return self.shard_of(self.to_batch(table, pieces), pieces)
+
+    def shard_of(self, tensors: Batch, pieces: list[Piece]) -> CachedShard:
+        """`tensors`, the rows of every piece of the shard (in the order of `pieces`), kept as
+        the shard's (`CachedShard`) in place of the cache."""
         with self._cache_lock:
             self.cache = None
-        return shard
+        return CachedShard(tensors, pieces)
 
     def caches(self, pieces: list[Piece]) -> bool:
         """Whether every one of `pieces` is in the cache."""

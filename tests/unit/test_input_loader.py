@@ -334,6 +334,33 @@ def test_a_cached_shard_gives_the_same_batches_and_reads_no_file_after_its_first
         assert torch.equal(next(resumed)["example_id"], b["example_id"])
 
 
+def test_a_window_of_the_whole_cached_shard_is_turned_into_tensors_once(many_groups):
+    """A window that holds the whole shard (small data) keeps its tensors as the cached
+    shard's: `to_batch` runs once in three epochs, and the batches are the documented order
+    from every start step. Without the cache every window is turned into tensors again."""
+    ranges, _ = many_groups
+    batch, seed = 7, 6
+    want = documented_order(ranges, seed, 100, epochs=3)  # every piece in one window
+
+    class Counting(Digits):
+        calls = 0
+
+        def to_batch(self, table):
+            Counting.calls += 1
+            return super().to_batch(table)
+
+    for cache, calls in ((1 << 20, 1), (0, 3)):
+        make = lambda cache=cache: TrainStream(  # noqa: E731
+            Counting(), ranges, batch, data_seed=seed, shuffle_window_row_groups=100, cache_bytes=cache
+        )
+        check_documented_order(ranges, want, make, batch)
+        Counting.calls = 0
+        it = make().iterate(0)
+        for _ in range(len(want["example_id"]) // batch):  # three epochs
+            next(it)
+        assert Counting.calls == calls, cache
+
+
 def test_eval_batches_stream_the_shard_in_file_order_with_a_sample(many_groups):
     ranges, shard_ids = many_groups
     assert ids_of(eval_batches(Digits(), ranges, 6)) == shard_ids
