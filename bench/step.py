@@ -27,7 +27,7 @@ from bench.common import Rates, block_rates, figure, paired_ratio, paired_raw, r
 from service import workloads
 from service.data.builtin import write_digits
 
-STEPS, BATCH, PAIRS, BF16_PAIRS, THREADS = 200, 64, 21, 9, 1
+STEPS, BATCH, PAIRS, BF16_PAIRS, THREADS = 200, 64, 41, 9, 1
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}
 
 

@@ -20,6 +20,7 @@ from service.trainer.loop import build_optimizer, train
 from service.trainer.topology import Topology
 from tests.helpers.studies import MINIMAL_STUDY
 from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan, plain_loop_parts, read_log
+from tests.helpers.two_branches import TwoBranches
 
 CLIP = 0.37
 STEPS, EVERY = 12, 4
@@ -150,3 +151,32 @@ def test_eps_is_refused_with_an_optimizer_that_does_not_read_it():
         d = study_with(eps={"role": "fixed", "value": 1e-6})
         d["training"]["optimizer"] = "nesterov"
         spec.load_dict(d)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "nesterov", "adamw"])
+def test_the_built_in_optimizers_update_as_torchs_per_parameter_loop(name):
+    """The built-in optimizers take torch's foreach path on CPU too (one call per group of
+    tensors, not a Python call per parameter and operation) and update bit for bit as torch's
+    per-parameter loop (`foreach=False`), with weight decay, a changing learning rate and a
+    head left without a gradient on some steps."""
+    hparams = {"learning_rate": 0.05, "momentum": 0.9, "weight_decay": 0.01, "beta2": 0.99}
+    weights = []
+    for foreach in (True, False):
+        torch.manual_seed(0)
+        model = TwoBranches()
+        optimizer = build_optimizer(name, model.parameters(), hparams)
+        assert optimizer.defaults["foreach"] is True
+        if not foreach:
+            for group in optimizer.param_groups:
+                group["foreach"] = False
+        data = torch.Generator().manual_seed(1)
+        for step in range(9):
+            x, y = torch.randn(8, 6, generator=data), torch.randint(0, 3, (8,), generator=data)
+            for group in optimizer.param_groups:
+                group["lr"] = 0.05 / (1 + step)
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x, "a" if step % 3 else "b"), y).backward()
+            optimizer.step()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    mine, loop = weights
+    assert all(torch.equal(a, b) for a, b in zip(mine, loop, strict=True))
