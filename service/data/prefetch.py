@@ -62,8 +62,24 @@ class Prefetcher(Iterator[T]):
         self._finalizer = weakref.finalize(self, _stop, self._cond, self._stop, self._thread, self._ready)
 
     def __next__(self) -> T:
-        if self._direct is not None:
+        if self._direct is None:
+            item = self._next_ready()
+            if not isinstance(item, _Handover):
+                return item
+            self._direct = itertools.chain.from_iterable(item.runs)
+        try:
             return next(self._direct)
+        except StopIteration:
+            raise
+        except BaseException as e:  # raised again on every later next(), as the thread's are
+            self._direct = None
+            with self._cond:
+                self._ready[0] = _Failure(e)  # in place of the handover: its source has ended
+            raise
+
+    def _next_ready(self):
+        """The next ready item (taken from the queue), or the handover (left in it, where
+        `close()` finds its source)."""
         with self._cond:
             while not self._ready:
                 self._cond.wait()
@@ -72,9 +88,8 @@ class Prefetcher(Iterator[T]):
                 raise StopIteration
             if isinstance(item, _Failure):
                 raise item.error
-            if isinstance(item, _Handover):  # kept in `_ready`: `close()` closes its source
-                self._direct = itertools.chain.from_iterable(item.runs)
-                return next(self._direct)
+            if isinstance(item, _Handover):
+                return item
             self._ready.popleft()
             if len(self._ready) < self._depth:
                 # Only now is there room the thread waits for: a wake-up on every item would
@@ -112,16 +127,17 @@ def _stop(cond: threading.Condition, stop: threading.Event, thread: threading.Th
         cond.notify_all()
     if thread is not threading.current_thread():
         thread.join(timeout=10)
-    for item in ready:
-        if isinstance(item, _Handover):
-            _close(item.runs)
+    with cond:
+        handed = [item for item in ready if isinstance(item, _Handover)]
+    for item in handed:
+        _close(item.runs)
 
 
 def _fill(runs: Iterator[list], depth: int, ready: deque, cond: threading.Condition, stop, handover) -> None:
     end: object = _END
     try:
         for run in runs:  # computed outside the lock: the consumer serves what is ready meanwhile
-            if handover is not None and handover():
+            if handover is not None and handover() and not stop.is_set():
                 end = _Handover(runs)
                 with cond:
                     ready.extend(run)

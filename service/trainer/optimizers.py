@@ -23,18 +23,32 @@ keeps the hyperparameter from reaching its parameters)."""
 
 
 def build_optimizer(name: str, params, hparams: dict) -> torch.optim.Optimizer:
-    """`foreach` on every device: torch's default on CUDA; on CPU its foreach operations run
-    the same kernels per tensor as its per-parameter loop (the same bits), without a Python
-    call per parameter and operation."""
     lr = float(hparams["learning_rate"])
     wd = float(hparams.get("weight_decay", 0.0))
     if name == "adamw":
         betas = (float(hparams.get("beta1", 0.9)), float(hparams.get("beta2", 0.999)))
         eps = float(hparams.get("eps", 1e-8))
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=True)
-    momentum = float(hparams.get("momentum", 0.9))
-    nesterov = name == "nesterov"
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=nesterov, foreach=True)
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    else:
+        momentum = float(hparams.get("momentum", 0.9))
+        nesterov = name == "nesterov"
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=nesterov)
+    foreach_where_exact(optimizer)
+    return optimizer
+
+
+EXACT_FOREACH_DTYPES = (torch.float32, torch.float64)
+
+
+def foreach_where_exact(optimizer: torch.optim.Optimizer) -> None:
+    """torch's foreach path for every group of float32/float64 parameters, on CPU too (torch's
+    default on CUDA): one call per group of tensors instead of a Python call per parameter and
+    operation. On CPU it runs the same kernels per tensor as the per-parameter loop, so the
+    same bits; not for bf16/fp16 parameters, whose foreach multiply rounds otherwise (those
+    groups keep torch's default)."""
+    for group in optimizer.param_groups:
+        if all(p.dtype in EXACT_FOREACH_DTYPES for p in group["params"]):
+            group["foreach"] = True
 
 
 def workload_optimizer(name: str, workload, model: nn.Module, hparams: dict) -> torch.optim.Optimizer:

@@ -452,7 +452,7 @@ def test_prefetch_hands_over_whole_runs_and_starts_the_next_below_depth():
 def test_prefetch_hands_the_source_over_to_the_consumer_when_asked():
     """`handover`: once it is true after a run, the thread ends and the consumer's own thread
     computes the later runs, the items in the same order; an error of the source is raised in
-    the consumer, and `close()` closes the source."""
+    the consumer on every later next(), and `close()` closes the source."""
     computed_by, closed, handed = [], [], threading.Event()
 
     def runs():
@@ -474,9 +474,12 @@ def test_prefetch_hands_the_source_over_to_the_consumer_when_asked():
     assert not thread.is_alive()
     me = threading.current_thread().name
     assert computed_by == ["playbook-prefetch"] * 3 + [me, me]
-    with pytest.raises(DataError, match="x.parquet"):
-        next(it)
+    for _ in range(2):  # raised again on a later next(), as before the handover
+        with pytest.raises(DataError, match="x.parquet"):
+            next(it)
     assert computed_by[5:] == [me] and closed == [True]
+    it.close()
+    assert closed == [True]
 
     handed.clear()
     closed.clear()

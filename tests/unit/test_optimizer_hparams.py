@@ -153,25 +153,27 @@ def test_eps_is_refused_with_an_optimizer_that_does_not_read_it():
         spec.load_dict(d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["sgd_momentum", "nesterov", "adamw"])
-def test_the_built_in_optimizers_update_as_torchs_per_parameter_loop(name):
-    """The built-in optimizers take torch's foreach path on CPU too (one call per group of
-    tensors, not a Python call per parameter and operation) and update bit for bit as torch's
-    per-parameter loop (`foreach=False`), with weight decay, a changing learning rate and a
-    head left without a gradient on some steps."""
+def test_the_built_in_optimizers_update_as_torchs_per_parameter_loop(name, dtype):
+    """The built-in optimizers take torch's foreach path on CPU too for float32 parameters (one
+    call per group of tensors, not a Python call per parameter and operation) and update bit
+    for bit as torch's per-parameter loop (`foreach=False`), with weight decay, a changing
+    learning rate and a head left without a gradient on some steps. bf16 parameters, whose
+    foreach arithmetic rounds otherwise, keep the per-parameter loop."""
     hparams = {"learning_rate": 0.05, "momentum": 0.9, "weight_decay": 0.01, "beta2": 0.99}
     weights = []
     for foreach in (True, False):
         torch.manual_seed(0)
-        model = TwoBranches()
+        model = TwoBranches().to(dtype)
         optimizer = build_optimizer(name, model.parameters(), hparams)
-        assert optimizer.defaults["foreach"] is True
+        assert optimizer.param_groups[0]["foreach"] is (True if dtype == torch.float32 else None)
         if not foreach:
             for group in optimizer.param_groups:
                 group["foreach"] = False
         data = torch.Generator().manual_seed(1)
         for step in range(9):
-            x, y = torch.randn(8, 6, generator=data), torch.randint(0, 3, (8,), generator=data)
+            x, y = torch.randn(8, 6, generator=data).to(dtype), torch.randint(0, 3, (8,), generator=data)
             for group in optimizer.param_groups:
                 group["lr"] = 0.05 / (1 + step)
             optimizer.zero_grad(set_to_none=True)
