@@ -22,7 +22,7 @@ from service.planning.trial import TrialPlan
 from service.study.search import CLIP_HPARAM
 from service.study.training import Training
 from service.trainer import rng, topology_record
-from service.trainer.grad_norm import GradNorm
+from service.trainer.gradients import Gradients
 from service.trainer.metrics_log import MetricsLog
 from service.trainer.optimizers import workload_optimizer
 from service.trainer.precision import Precision
@@ -75,7 +75,7 @@ class TrialContext:
     timer: InputTimer
     sync_debug: str | None
     clip_norm: float | None  # grad_clip_norm: clip the gradients' global norm to this
-    grad_norm: GradNorm  # the gradients' global norm, every step
+    gradients: Gradients  # the step's gradients (one buffer on CPU) and their global norm
     precision: Precision  # training.precision: autocast, and fp16's gradient scaler
     microbatch_size: int | None  # training.microbatch_size: rows per forward/backward (None: the batch)
 
@@ -119,7 +119,7 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         timer=InputTimer(),
         sync_debug=step_sync_debug(study.input, device),
         clip_norm=clip_norm(plan.hparams),
-        grad_norm=GradNorm(model, buffer=ddp is model and tr.optimizer != "workload"),
+        gradients=Gradients(model, buffer=ddp is model and tr.optimizer != "workload"),
         precision=Precision(tr.precision, device),
         microbatch_size=tr.microbatch_size,
     )

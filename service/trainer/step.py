@@ -33,9 +33,9 @@ def train_step(
     ctx.timer.got_batch()
     if progress.interval_start is None:
         progress.interval_start = time.perf_counter()
-    ctx.grad_norm.zero(ctx.optimizer)
+    ctx.gradients.zero(ctx.optimizer)
     loss = forward_backward(ctx, batch)
-    ctx.grad_norm.settle()
+    ctx.gradients.settle()
     update(ctx)
     progress.step += 1
     progress.steps_in_interval += 1
@@ -94,7 +94,7 @@ def update(ctx: TrialContext) -> None:
     verdict suggests a threshold from it) and nothing is clipped."""
     ctx.precision.unscale(ctx.optimizer)
     if ctx.clip_norm is None:
-        ctx.tally.add_grad_norm(ctx.grad_norm.norm(), math.inf)
+        ctx.tally.add_grad_norm(ctx.gradients.norm(), math.inf)
     else:
-        ctx.tally.add_grad_norm(ctx.grad_norm.clip(ctx.clip_norm), ctx.clip_norm)
+        ctx.tally.add_grad_norm(ctx.gradients.clip(ctx.clip_norm), ctx.clip_norm)
     ctx.precision.step(ctx.optimizer)

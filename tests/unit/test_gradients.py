@@ -1,4 +1,4 @@
-"""The per-step gradient norm (`trainer.grad_norm`): torch's own functions are the reference
+"""The per-step gradient norm (`trainer.gradients`): torch's own functions are the reference
 (bit for bit) and numpy the independent check of the value."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from service.trainer.grad_norm import GradNorm
+from service.trainer.gradients import Gradients
 from tests.helpers.two_branches import TwoBranches
 
 
@@ -26,7 +26,7 @@ def numpy_norm(model: nn.Module) -> float:
 
 def test_the_norm_is_torchs_total_norm_bit_for_bit_and_numpys_value():
     model = model_with_grads()
-    norm = GradNorm(model)
+    norm = Gradients(model)
     assert norm.fused
     reference = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert torch.equal(norm.norm(), reference)
@@ -36,7 +36,7 @@ def test_the_norm_is_torchs_total_norm_bit_for_bit_and_numpys_value():
 def test_a_frozen_parameter_and_an_unset_gradient_are_left_out():
     model = model_with_grads(frozen=True)
     model[2].bias.grad = None
-    assert abs(GradNorm(model).norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
+    assert abs(Gradients(model).norm().item() - numpy_norm(model)) < 1e-5 * numpy_norm(model)
 
 
 def test_mixed_dtypes_take_torchs_path():
@@ -45,7 +45,7 @@ def test_mixed_dtypes_take_torchs_path():
     model[2].to(torch.float64)
     for name, p in model[2].named_parameters():
         p.grad = grads[name]
-    norm = GradNorm(model)
+    norm = Gradients(model)
     assert not norm.fused
     assert torch.equal(norm.norm(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
 
@@ -53,25 +53,25 @@ def test_mixed_dtypes_take_torchs_path():
 def test_clipping_scales_as_torchs_clip_grad_norm():
     model, twin = model_with_grads(), model_with_grads()
     before = numpy_norm(model)
-    total = GradNorm(model).clip(0.25 * before)
+    total = Gradients(model).clip(0.25 * before)
     reference = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.25 * before)
     assert torch.equal(total, reference)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
     assert abs(numpy_norm(model) - 0.25 * before) < 1e-4 * before
-    loose = GradNorm(model).clip(10 * before)  # above the norm: nothing changes
+    loose = Gradients(model).clip(10 * before)  # above the norm: nothing changes
     assert abs(loose.item() - numpy_norm(model)) < 1e-5 * before
 
 
 def train_two_branches(steps: int, service: bool):
     """AdamW with weight decay (which moves a parameter even at a zero gradient, so a gradient
     left at zero instead of None shows), the heads alternating a, a, b. `service`: the step's
-    gradients as `GradNorm` keeps them; otherwise as a plain loop does. Returns the model, each
-    step's norm, which parameters had a gradient at each step, and the GradNorm."""
+    gradients as `Gradients` keeps them; otherwise as a plain loop does. Returns the model, each
+    step's norm, which parameters had a gradient at each step, and the Gradients."""
     torch.manual_seed(0)
     model = TwoBranches()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
-    grads = GradNorm(model)
+    grads = Gradients(model)
     norms, had = [], []
     for step in range(steps):
         x = torch.randn(5, 6)
@@ -88,7 +88,7 @@ def train_two_branches(steps: int, service: bool):
     return model, norms, had, grads
 
 
-def one_step(model: nn.Module, grads: GradNorm, loss_of) -> None:
+def one_step(model: nn.Module, grads: Gradients, loss_of) -> None:
     grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
     loss_of(model).backward()
     grads.settle()
@@ -96,7 +96,7 @@ def one_step(model: nn.Module, grads: GradNorm, loss_of) -> None:
 
 def test_on_cpu_the_gradients_live_in_one_buffer_after_the_first_step_and_the_norm_is_torchs_value():
     model = TwoBranches()
-    grads = GradNorm(model)
+    grads = Gradients(model)
     one_step(model, grads, lambda m: m(torch.randn(5, 6), "a").square().sum())
     assert grads.intact and model.b.weight.grad is None  # torch's gradients, moved into the buffer
     one_step(model, grads, lambda m: m(torch.randn(5, 6), "a").square().sum())
@@ -126,7 +126,7 @@ def test_a_negative_zero_gradient_keeps_its_sign():
     -0.0 into +0.0 (and SGD then moves a -0.0 weight to +0.0)."""
     c = torch.tensor([-0.0, 0.0, -1.0, 2.0])
     model = nn.Linear(4, 1, bias=False)
-    grads = GradNorm(model)
+    grads = Gradients(model)
     for _ in range(2):
         one_step(model, grads, lambda m: (m.weight * c).sum())
     assert grads.intact
@@ -135,7 +135,7 @@ def test_a_negative_zero_gradient_keeps_its_sign():
 
 def test_a_gradient_replaced_outside_backward_is_normed_where_it_is():
     model = TwoBranches()
-    grads = GradNorm(model)
+    grads = Gradients(model)
     for replace in (False, True):
         grads.zero(torch.optim.SGD(model.parameters(), lr=0.1))
         model(torch.randn(5, 6), "a").square().sum().backward()
@@ -149,7 +149,7 @@ def test_a_gradient_replaced_outside_backward_is_normed_where_it_is():
 def test_a_non_contiguous_parameter_keeps_torchs_own_gradients():
     model = nn.Linear(4, 3)
     model.weight = nn.Parameter(torch.randn(4, 3).t())  # strides (1, 3)
-    grads = GradNorm(model)
+    grads = Gradients(model)
     for _ in range(2):
         one_step(model, grads, lambda m: m(torch.randn(2, 4)).sum())
     assert grads.flat is None
@@ -172,7 +172,7 @@ class FunctionalSparse(nn.Module):
 )
 def test_a_sparse_gradient_stays_sparse(model):
     model = model()
-    grads = GradNorm(model)
+    grads = Gradients(model)
     for _ in range(2):
         one_step(model, grads, lambda m: m(torch.tensor([1, 4])).sum())
         assert next(model.parameters()).grad.is_sparse
@@ -182,7 +182,7 @@ def test_a_sparse_gradient_stays_sparse(model):
 def test_without_buffer_the_gradients_are_torchs_own():
     """With several ranks or the workload's own optimizer (`trainer.setup`)."""
     model = TwoBranches()
-    grads = GradNorm(model, buffer=False)
+    grads = Gradients(model, buffer=False)
     for _ in range(2):
         one_step(model, grads, lambda m: m(torch.randn(5, 6), "a").square().sum())
     assert grads.flat is None and model.b.weight.grad is None

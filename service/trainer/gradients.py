@@ -1,7 +1,7 @@
 """The gradients of a step: where they are kept, their global 2-norm, taken every step (the
 clipping verdict and `grad_clip_norm` read it), and clipping to it.
 
-In a one-process CPU trial the gradients live in one flat buffer (`GradNorm.zero` instead of
+In a one-process CPU trial the gradients live in one flat buffer (`Gradients.zero` instead of
 the optimizer's `zero_grad(set_to_none=True)`). Each parameter's `.grad` shares the buffer's
 memory, backward accumulates into it in place, and the norm of the buffer is one operation. On
 CPU every torch operation is a synchronous dispatch: a fresh gradient tensor per parameter per
@@ -35,7 +35,7 @@ from torch import nn
 FOREACH_DEVICES = ("cpu", "cuda")
 
 
-class GradNorm:
+class Gradients:
     """The trainable parameters of `model` (in its order), their gradients, and their norm."""
 
     def __init__(self, model: nn.Module, buffer: bool = True):
