@@ -148,7 +148,7 @@ def _fill(runs: Iterator[list], depth: int, ready: deque, cond: threading.Condit
                 while len(ready) >= depth and not stop.is_set():
                     cond.wait()
             if stop.is_set():
-                return
+                break  # the end follows the ready items: a later next() ends rather than waits
     except BaseException as e:  # noqa: BLE001 - handed to the consumer
         end = _Failure(e)
     finally:

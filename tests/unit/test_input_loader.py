@@ -490,6 +490,17 @@ def test_prefetch_hands_the_source_over_to_the_consumer_when_asked():
     assert closed == [True]
 
 
+@pytest.mark.timeout(60)
+def test_after_close_the_prefetcher_serves_what_was_ready_then_ends():
+    """`close()` stops the thread; later next() calls serve the items it had made ready and then
+    end the stream (StopIteration), rather than wait for a thread that has stopped."""
+    it = Prefetcher(iter([[i, i] for i in range(10**6)]), depth=2)
+    assert next(it) == 0
+    it.close()
+    rest = list(it)  # ends: with the thread stopped, an end marker follows the ready items
+    assert rest == sorted(rest) and len(rest) < 10
+
+
 @pytest.mark.parametrize("case", ["cached", "not_cached", "augments"])
 def test_a_cpu_stream_ends_its_prefetch_thread_once_its_shard_is_in_memory(many_groups, case):
     """On CPU the prefetch thread ends once a plain workload's shard is in memory (each batch
