@@ -110,7 +110,11 @@ def test_a_removed_host_is_replaced_and_the_trial_resumes(two_hosts, digits_dir,
         ranks = json.load(f)["ranks"]
     assert removed["node_id"] not in {r["node_id"] for r in ranks}  # it really runs on the new host
     assert len({r["node_id"] for r in ranks}) == 2
-    assert removed["registered"] <= ranks[0]["resumed_from_step"] <= removed["logged"]
+    # Resumed from a checkpoint no older than the newest one registered when the host was
+    # removed (none lost). Not bounded by the step logged then: the trial can still reach and
+    # checkpoint the next eval point while the removed host's processes are dying.
+    resumed = ranks[0]["resumed_from_step"]
+    assert removed["registered"] <= resumed < STEPS and resumed % EVERY == 0, (removed, resumed)
 
     assert read_log(plan) == read_log(reference_plan)
     got, want = final_state(outcome["result"]), final_state(reference)
