@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -21,7 +22,8 @@ def _entry(rank, fn, world_size, init_file, out_dir, args):
     )
     try:
         result = fn(rank, world_size, *args)
-        dist.barrier()
+        gc.collect()  # DDP's reducers go before their process group, not at interpreter exit
+        dist.barrier()  # and no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
