@@ -56,8 +56,8 @@ def kill_session(sid: int) -> None:
 
 class EnvironWatcher:
     """While open, reads every `interval_s` the environment of each live process whose command
-    line contains `marker` (a Ray actor's process title, e.g. "TrainController"): `seen` maps
-    pid -> its environment, as the process was started."""
+    line contains `marker` (a Ray actor's process title, e.g. "TrainController") and that started
+    after it opened: `seen` maps pid -> its environment, as the process was started."""
 
     def __init__(self, marker: str, interval_s: float = 0.1):
         self.marker, self.interval_s, self.seen = marker.encode(), interval_s, {}
@@ -65,6 +65,8 @@ class EnvironWatcher:
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def __enter__(self) -> EnvironWatcher:
+        # Processes alive before it opens (one an earlier test left dying) are not its to see.
+        self._before = {int(e) for e in os.listdir("/proc") if e.isdigit()}
         self._thread.start()
         return self
 
@@ -75,7 +77,7 @@ class EnvironWatcher:
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
             for entry in os.listdir("/proc"):
-                if entry.isdigit() and int(entry) not in self.seen:
+                if entry.isdigit() and int(entry) not in self.seen and int(entry) not in self._before:
                     environ = _environ_if(int(entry), self.marker)
                     if environ is not None:
                         self.seen[int(entry)] = environ
