@@ -39,6 +39,7 @@ from service.data.batches import Batch, Rows, Shuffled, rebatch, rebatch_runs
 from service.data.files import DataFile, ParquetReader, list_files
 from service.data.sharding import RowRange
 from service.data.window_reader import (
+    CachedShard,
     LoaderStats,
     Piece,
     WindowReader,
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 DEFAULT_SHUFFLE_WINDOW_ROW_GROUPS = 4
+ORDER_ROWS = 1 << 14
+"""Rows of a shard in memory whose order is computed at once (`TrainStream._from_memory`)."""
 
 
 class TrainStream:
@@ -136,66 +139,93 @@ class TrainStream:
         rows = sum(p.num_rows for p in task.pieces)
         return Shuffled(tensors, self.window_order(task, rows))
 
-    def shuffled_rows(self, task: WindowTask, tensors: Batch, rows: np.ndarray) -> Shuffled:
-        """`shuffled` for a window whose rows are `rows` of `tensors` (not augmented)."""
-        return Shuffled(tensors, rows[self.window_order(task, len(rows))])
-
     def window_order(self, task: WindowTask, rows: int) -> np.ndarray:
         """The order of a window's rows (from its offset on): permutation(seed, epoch, window)."""
         perm = np.random.default_rng([self.data_seed, task.epoch, task.window]).permutation(rows)
         return perm[task.offset :]
 
-    def _chunks(self, position: int, stats: LoaderStats) -> Iterator[Shuffled]:
+    def _chunks(self, position: int, reader: WindowReader) -> Iterator[Shuffled]:
         """The shuffled windows from example `position` on, each window's row groups decoded on
         the reader's threads while the one before is turned into tensors and consumed (memory:
-        two windows' rows, whatever the data size). Once the whole shard is in the cache and
-        the workload does not augment, its tensors are made once (a window of the whole shard:
-        its own tensors) and each window is an index into them (`CachedShard`): the same
-        batches, without the per-window work."""
-        reader = WindowReader(self.workload, stats, self.cache_bytes)
+        two windows' rows, whatever the data size). Ends once the whole shard is in the cache
+        and the workload does not augment: its tensors are then made once (a window of the
+        whole shard: its own tensors), the reader's `shard`, and `_from_memory` goes on."""
+        stats = reader.stats
         tasks = self.plan(position)
-        shard = None
-        try:
-            task = next(tasks)
-            started = reader.start(task.pieces)
-            for following in tasks:
-                shard = shard or (reader.cached_shard(self.pieces) if self.plain else None)
-                if shard is not None:
-                    stats.in_memory = True
-                    window = self.shuffled_rows(task, shard.tensors, shard.rows(task.pieces))
-                else:
-                    table = reader.finish(started)
-                    started = reader.start(following.pieces)
-                    tensors = reader.to_batch(table, list(task.pieces))
-                    del table  # its rows are in the tensors now
-                    window = self.shuffled(task, tensors, stats)
-                    stats.in_memory = self.plain and reader.caches(self.pieces)  # from the next window on
-                    if stats.in_memory and len(task.pieces) == len(self.pieces):
-                        shard = reader.shard_of(tensors, list(task.pieces))  # no second to_batch
-                    del tensors
-                yield window
-                # Dropped before the next window's tensors are made: the allocator hands their
-                # memory to the next window rather than fresh pages (faulted in, zeroed).
-                del window
-                task = following
-        finally:
-            reader.close()
+        task = next(tasks)
+        started = reader.start(task.pieces)
+        for following in tasks:
+            if self.plain and (reader.shard or reader.cached_shard(self.pieces)):
+                return
+            table = reader.finish(started)
+            started = reader.start(following.pieces)
+            tensors = reader.to_batch(table, list(task.pieces))
+            del table  # its rows are in the tensors now
+            window = self.shuffled(task, tensors, stats)
+            stats.in_memory = self.plain and reader.caches(self.pieces)  # from the next window on
+            if stats.in_memory and len(task.pieces) == len(self.pieces):
+                reader.shard_of(tensors, list(task.pieces))  # no second to_batch
+            del tensors
+            yield window
+            # Dropped before the next window's tensors are made: the allocator hands their
+            # memory to the next window rather than fresh pages (faulted in, zeroed).
+            del window
+            task = following
+
+    def _from_memory(self, shard: CachedShard, step: int) -> Iterator[list[Batch]]:
+        """The batches from step `step` on, from the shard's tensors (`CachedShard`): the same
+        batches as streamed, each window's rows an index into the tensors. The order of
+        consecutive windows is computed in bursts of at least `ORDER_ROWS` rows, then served in
+        runs of about a window's rows: work done once per window runs cold between the steps of
+        a small shard, at many times its cost in a burst."""
+        size = self.batch_size
+        tasks = self.plan(step * size)
+        left = np.empty(0, np.int64)  # the rows of a batch that the burst before did not complete
+        while True:
+            orders, rows = [left], len(left)
+            while rows < max(ORDER_ROWS, size):
+                task = next(tasks)
+                window = shard.rows(task.pieces)
+                orders.append(window[self.window_order(task, len(window))])
+                rows += len(orders[-1])
+            order = np.concatenate(orders)
+            full = rows // size * size
+            left = order[full:]
+            shuffled = Shuffled(shard.tensors, order[:full])
+            run = max(1, rows // (len(orders) - 1) // size) * size  # about a window's rows
+            for lo in range(0, full, run):
+                yield [shuffled.take(s, s + size) for s in range(lo, min(lo + run, full), size)]
 
     def iterate(self, start_step: int = 0) -> Iterator[Batch]:
         """The batches of steps start_step, start_step + 1, ... (each a pure function of its step)."""
         return itertools.chain.from_iterable(self.runs(start_step))
 
     def runs(self, start_step: int = 0) -> Iterator[list[Batch]]:
-        """`iterate`, as one list per window of the batches it completes (for a prefetch thread)."""
-        return rebatch_runs(
-            self._chunks(start_step * self.batch_size, self.stats), self.batch_size, keep_last=False
-        )
+        """`iterate`, in runs of consecutive batches (for a prefetch thread): the batches each
+        window completes, then, once the shard is in memory, runs of about as many
+        (`_from_memory`)."""
+        return self._runs(start_step, self.stats)
+
+    def _runs(self, step: int, stats: LoaderStats) -> Iterator[list[Batch]]:
+        reader = WindowReader(self.workload, stats, self.cache_bytes)
+        try:
+            chunks = self._chunks(step * self.batch_size, reader)
+            for run in rebatch_runs(chunks, self.batch_size, keep_last=False):
+                yield run
+                step += len(run)
+            stats.in_memory = True  # the streamed windows end only there
+            yield from self._from_memory(reader.shard, step)
+        finally:
+            reader.close()
 
     def batch(self, step: int) -> Batch:
         """The batch of one step (reads one or two windows; for checks, not for the loop, and
         not counted in `stats`)."""
-        chunks = self._chunks(step * self.batch_size, LoaderStats())
-        return next(rebatch(chunks, self.batch_size, keep_last=False))
+        runs = self._runs(step, LoaderStats())
+        try:
+            return next(itertools.chain.from_iterable(runs))
+        finally:
+            runs.close()
 
 
 def eval_batches(

@@ -102,6 +102,8 @@ class WindowReader:
         self.cache: dict[Piece, pa.Table] | None = {} if cache_bytes > 0 else None
         self.cache_free = cache_bytes
         self._cache_lock = threading.Lock()
+        self.shard: CachedShard | None = None
+        """The whole shard's tensors, once made from the cache (`cached_shard`, `shard_of`)."""
 
     def _cached_read(self, p: Piece, threads: bool = False) -> pa.Table:
         cache = self.cache
@@ -133,7 +135,8 @@ class WindowReader:
         the shard's (`CachedShard`) in place of the cache."""
         with self._cache_lock:
             self.cache = None
-        return CachedShard(tensors, pieces)
+        self.shard = CachedShard(tensors, pieces)
+        return self.shard
 
     def caches(self, pieces: list[Piece]) -> bool:
         """Whether every one of `pieces` is in the cache."""

@@ -21,6 +21,7 @@ import torch
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 from service.core.errors import DataError
+from service.data import loader
 from service.data.files import ParquetReader, list_files
 from service.data.loader import TrainStream, eval_batches, iterate_files
 from service.data.prefetch import Prefetcher, prefetch, prefetch_stream
@@ -359,6 +360,52 @@ def test_a_window_of_the_whole_cached_shard_is_turned_into_tensors_once(many_gro
         for _ in range(len(want["example_id"]) // batch):  # three epochs
             next(it)
         assert Counting.calls == calls, cache
+
+
+@pytest.mark.parametrize("order_rows", [1, 20, loader.ORDER_ROWS])
+def test_a_shard_in_memory_is_the_documented_order_whatever_its_bursts(many_groups, monkeypatch, order_rows):
+    """Once the shard is in memory its order is computed `ORDER_ROWS` rows at a time (a burst
+    of windows, the rows of an unfinished batch carried to the next): still the documented
+    order from every start step, with bursts shorter than a window, a batch or an epoch."""
+    monkeypatch.setattr(loader, "ORDER_ROWS", order_rows)
+    ranges, _ = many_groups
+    batch, window, seed = 7, 2, 5
+    want = documented_order(ranges, seed, window, epochs=4)
+    make = lambda: TrainStream(  # noqa: E731
+        Digits(), ranges, batch, data_seed=seed, shuffle_window_row_groups=window, cache_bytes=1 << 20
+    )
+    check_documented_order(ranges, want, make, batch)
+
+
+def test_a_shard_in_memory_computes_its_order_in_bursts_and_serves_it_a_window_at_a_time(
+    many_groups, monkeypatch
+):
+    """Per-window work done a window at a time runs cold between the steps of a small shard:
+    once the shard is in memory, the order of the windows holding `ORDER_ROWS` rows is
+    computed at once (no window's order between two bursts), and served in runs of about a
+    window's batches (what a prefetch thread holds at once)."""
+    monkeypatch.setattr(loader, "ORDER_ROWS", 150)  # two epochs of the 75-row shard
+    ranges, shard_ids = many_groups
+    batch, window = 7, 2  # windows of two 8-row groups or parts of them: at most 16 rows
+
+    class Counting(TrainStream):
+        windows = 0
+
+        def window_order(self, task, rows):
+            Counting.windows += 1
+            return super().window_order(task, rows)
+
+    stream = Counting(
+        Digits(), ranges, batch, data_seed=3, shuffle_window_row_groups=window, cache_bytes=1 << 20
+    )
+    runs, bursts = stream.runs(0), []
+    for run in itertools.islice(runs, 100):
+        assert 0 < len(run) <= 16 // batch + 1
+        if stream.stats.in_memory:
+            bursts.append(Counting.windows)
+    epochs = [w for w in np.diff(bursts) if w]  # windows computed at each burst
+    assert len(epochs) >= 3 and all(w >= 150 // 16 for w in epochs), bursts
+    runs.close()
 
 
 def test_eval_batches_stream_the_shard_in_file_order_with_a_sample(many_groups):
