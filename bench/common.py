@@ -94,7 +94,7 @@ GOALS = {
         "<=",
         0.1,
         "Tune driver memory per trial (a TuneRun process's) with a round split into Tune runs / as one run "
-        "(median slopes over the second half of a 720-trial round)",
+        "(median slopes over the second half of a 720-trial round, resident size after gc and malloc_trim)",
     ),
     "ddp_bucket_per_param_cost": (
         "info",

@@ -7,19 +7,25 @@ coordinator sets it up (no CSV/TensorBoard loggers, Ray's log-once set cleared a
 actors reused): TRIALS trivial function trials
 (two reports of ~40 metrics and a summary, like a service trial's), 2 at once, actors reused so
 that Tune's bookkeeping, not trial start-up, dominates. The driver's resident memory is sampled
-at every trial completion; the figure is the growth per trial of what is held at the end of
-each of the split round's runs over the same for the single run, each a Theil-Sen slope (the
-median of the pairwise slopes) over the second half of the round.
+at every trial completion, after a garbage collection and glibc's `malloc_trim`; the figure is
+the growth per trial of what is held at the end of each of the split round's runs over the same
+for the single run, each a Theil-Sen slope (the median of the pairwise slopes) over the second
+half of the round.
 
-Why the second half and a median slope: the allocators (Python's arenas, glibc's and Arrow's)
-keep a process's freed memory up to a high-water mark that they reach in steps, some MB at a
-time, at no fixed trial: in a split round of 720 the held memory stepped up until about trial
-330 and stayed flat after it. Over the first 240 trials, a least-squares slope read such a
-step as growth per trial, and the figure moved between 0.03 and 0.59 from run to run.
+Why the collection and the trim: without them the resident size also counts garbage cycles not
+yet collected and memory the allocators keep after it is freed, up to a high-water mark that they
+reach in steps, some MB at a time, at no fixed trial. In a split round of 720 such steps
+(~3 MB, twice in the second half) put the figure at 0.107 and 0.213 in two of six `make bench`
+runs (0.010-0.027 in the others); with both, three runs of both arms gave 0.026-0.029, the
+split round's held memory rising smoothly by ~4.5 KB per trial. Why the second half and a
+median slope: start-up allocations fill the first half, and one remaining step moves a median
+of pairwise slopes little (fewer than half the pairs straddle it).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -58,6 +64,7 @@ def arm(trials: int, per_run: int) -> dict:
 
     class Sampler(tune.Callback):
         def on_trial_complete(self, iteration, trials, trial, **info):
+            release_free_memory()
             samples.append((len(samples) + 1, rss_bytes(os.getpid())))
 
     configs = [
@@ -80,6 +87,13 @@ def arm(trials: int, per_run: int) -> dict:
     finally:
         ray.shutdown()
     return {"wall_s": time.perf_counter() - t, "samples": samples}
+
+
+def release_free_memory() -> None:
+    """Collect garbage cycles and hand glibc's free pages back to the system, so that the
+    resident size sampled next is what the process holds (see the module docstring)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def held_at(samples: list[tuple[int, int]], sizes: list[int]) -> list[float]:
