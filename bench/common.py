@@ -5,14 +5,20 @@ the bundled one (the bundled 1,257 training rows are gone in milliseconds)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository (the working directory of the benchmarks' own subprocesses)."""
 
 GOALS = {
     # key: (comparison, goal, what the ratio is)
@@ -124,12 +130,15 @@ Rates = dict[str, float]
 
 def paired_ratio(service: Callable[[], Rates], baseline: Callable[[], Rates], pairs: int) -> dict:
     """The service's rates over the baseline's, robust to background load on a shared machine:
-    `pairs` short blocks of each, interleaved in one process (ABBA: the order alternates, so a
-    trend in the load hits both sides alike), the ratio of each pair, and their median (each
-    pair's two blocks ran moments apart, under about the same load). Per rate name: `ratio`,
-    `spread` (the interquartile range of the pair ratios), every pair ratio, and the sides' own
-    medians; with the host's 1-minute load average before and after (on 2 CPUs, more than ~2 is
-    other processes)."""
+    `pairs` short blocks of each, interleaved in one process (`paired_rates`), the ratio of each
+    pair, and their median (`pair_stats`)."""
+    return pair_stats(paired_rates(service, baseline, pairs))
+
+
+def paired_rates(service: Callable[[], Rates], baseline: Callable[[], Rates], pairs: int) -> dict:
+    """`pairs` blocks of each side, interleaved in this process (ABBA: the order alternates, so
+    a trend in the load hits both sides alike): each side's rates per pair, and the host's
+    1-minute load average before and after (on 2 CPUs, more than ~2 is other processes)."""
     load = [os.getloadavg()[0]]
     service_rates, baseline_rates = [], []
     for i in range(pairs):
@@ -139,7 +148,33 @@ def paired_ratio(service: Callable[[], Rates], baseline: Callable[[], Rates], pa
             a, b = service(), baseline()
         service_rates.append(a)
         baseline_rates.append(b)
-    out: dict = {"pairs": pairs, "load_avg_1m": [round(x, 2) for x in [*load, os.getloadavg()[0]]]}
+    load.append(os.getloadavg()[0])
+    return {"service": service_rates, "baseline": baseline_rates, "load_avg_1m": [round(x, 2) for x in load]}
+
+
+def paired_in_processes(module: str, processes: int) -> dict:
+    """`pair_stats` of the pairs that `processes` fresh processes measure one after the other
+    (`python -m module --pairs` prints its `paired_rates`), pooled. A process's memory layout
+    (address randomization, where the allocators put the hot tensors) favours one loop or the
+    other by a point or two for all of its pairs; pooling the pairs of several processes
+    averages that out, as more pairs in one process cannot."""
+    parts = []
+    for _ in range(processes):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--pairs"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        parts.append(json.loads(out.strip().splitlines()[-1]))
+    pooled = {side: [r for p in parts for r in p[side]] for side in ("service", "baseline")}
+    load = [parts[0]["load_avg_1m"][0], parts[-1]["load_avg_1m"][-1]]
+    return {**pair_stats({**pooled, "load_avg_1m": load}), "processes": processes}
+
+
+def pair_stats(rates: dict) -> dict:
+    """Per rate name of `paired_rates`: `ratio` (the median of the pairs' ratios: each pair's
+    two blocks ran moments apart, under about the same load), `spread` (their interquartile
+    range), every pair ratio, and the sides' own medians."""
+    service_rates, baseline_rates = rates["service"], rates["baseline"]
+    out: dict = {"pairs": len(service_rates), "load_avg_1m": rates["load_avg_1m"]}
     for key in service_rates[0]:
         ratios = [a[key] / b[key] for a, b in zip(service_rates, baseline_rates, strict=True)]
         out[key] = {

@@ -4,30 +4,43 @@ bf16_speedup: steps/s of the same service loop with `training.precision: bf16` o
 measured in the same run (on a CPU without bf16 arithmetic it can be below 1).
 
 Both are paired ratios (`common.paired_ratio`): short blocks of the two loops interleaved in
-this process, one torch thread each, the median of the pairs' ratios. The value counts steps
+one process, one torch thread each, the median of the pairs' ratios; step_ratio pools the
+pairs of `PROCESSES` fresh processes (`common.paired_in_processes`: a process's memory layout
+moved the median of its pairs by a point or two either way). The value counts steps
 per CPU second of this process (all its threads: the service's prefetch and read threads are
 charged to it; `common.CpuClock`), which background load hardly moves; the same ratio in wall
 seconds is in the raw figures (`wall_ratio`). On a loaded 2-CPU host the wall ratio is biased,
 not only noisy: the scheduler favours the service's loop, which briefly waits on its prefetch
 thread, over the bare loop, which never sleeps (see docs/performance.md).
 
-    python -m bench.step
+    python -m bench.step            (python -m bench.step --pairs: one process's pairs)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 
 import pyarrow.parquet as pq
 import torch
 
-from bench.common import Rates, block_rates, figure, paired_ratio, paired_raw, run_trial, single_trial_study
+from bench.common import (
+    Rates,
+    block_rates,
+    figure,
+    paired_in_processes,
+    paired_rates,
+    paired_ratio,
+    paired_raw,
+    run_trial,
+    single_trial_study,
+)
 from service import workloads
 from service.data.builtin import write_digits
 
-STEPS, BATCH, PAIRS, BF16_PAIRS, THREADS = 200, 64, 41, 9, 1
+STEPS, BATCH, PROCESSES, PAIRS, BF16_PAIRS, THREADS = 200, 64, 7, 7, 9, 1
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}
 
 
@@ -67,13 +80,21 @@ class Bare:
         return block_rates(STEPS, wall, cpu)
 
 
-def run() -> dict:
+def fp32_pairs() -> dict:
+    """`PAIRS` pairs of the service's fp32 loop and the bare loop, in this process."""
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory(prefix="playbook-bench-step-") as tmp:
         data, storage = f"{tmp}/data", f"{tmp}/studies"
         write_digits(data)
-        bare = Bare(data)
-        fp32 = paired_ratio(lambda: service_rates(data, storage), bare.rates, PAIRS)
+        return paired_rates(lambda: service_rates(data, storage), Bare(data).rates, PAIRS)
+
+
+def run() -> dict:
+    fp32 = paired_in_processes("bench.step", PROCESSES)
+    torch.set_num_threads(THREADS)
+    with tempfile.TemporaryDirectory(prefix="playbook-bench-step-") as tmp:
+        data, storage = f"{tmp}/data", f"{tmp}/studies"
+        write_digits(data)
         bf16 = paired_ratio(
             lambda: service_rates(data, storage, "bf16"), lambda: service_rates(data, storage), BF16_PAIRS
         )
@@ -94,6 +115,7 @@ def run() -> dict:
             service_steps_per_s=fp32["cpu"]["service"],
             bare_steps_per_s=fp32["cpu"]["baseline"],
             **paired_raw(fp32, "cpu", "steps/CPU s"),
+            processes=fp32["processes"],
             wall_steps_per_s=[fp32["wall"]["service"], fp32["wall"]["baseline"]],
             **common,
         ),
@@ -101,4 +123,7 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=1))
+    if sys.argv[1:] == ["--pairs"]:  # one process's share of the pairs (`paired_in_processes`)
+        print(json.dumps(fp32_pairs()))
+    else:
+        print(json.dumps(run(), indent=1))

@@ -213,7 +213,7 @@ class TrainStream:
             for run in rebatch_runs(chunks, self.batch_size, keep_last=False):
                 yield run
                 step += len(run)
-            stats.in_memory = True  # the streamed windows end only there
+            stats.in_memory = True  # `_chunks` ends only once the shard is in memory
             yield from self._from_memory(reader.shard, step)
         finally:
             reader.close()
