@@ -14,9 +14,7 @@ import time
 
 import yaml
 
-from bench.common import figure
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import ROOT, figure
 
 
 def run() -> dict:

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bench.common import figure, write_digits_like
+from bench.common import ROOT, figure, write_digits_like
 from bench.loader_adapter import heavy_preprocess, service_batches
 
 NUM_ROWS, NUM_FILES, BATCH = 100_000, 8, 256
@@ -175,7 +175,7 @@ def rss_growth_mb(train_dir: str, batches: int) -> float:
         capture_output=True,
         text=True,
         check=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     return float(out.stdout.split()[-1])
 

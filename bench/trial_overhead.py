@@ -23,12 +23,11 @@ import sys
 import tempfile
 import time
 
-from bench.common import figure
+from bench.common import ROOT, figure
 
 STEPS, EVERY, BATCH, REPEATS = 100, 50, 64, 3
 ROUND_TRIALS = 20
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plain_trial(config: dict) -> None:

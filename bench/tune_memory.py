@@ -7,7 +7,8 @@ coordinator sets it up (no CSV/TensorBoard loggers, Ray's log-once set cleared a
 actors reused): TRIALS trivial function trials
 (two reports of ~40 metrics and a summary, like a service trial's), 2 at once, actors reused so
 that Tune's bookkeeping, not trial start-up, dominates. The driver's resident memory is sampled
-at every trial completion, after a garbage collection and glibc's `malloc_trim`; the figure is
+at every trial completion (those it reads after a garbage collection and glibc's `malloc_trim`:
+`HELD_SAMPLES`); the figure is
 the growth per trial of what is held at the end of each of the split round's runs over the same
 for the single run, each a Theil-Sen slope (the median of the pairwise slopes) over the second
 half of the round.
@@ -36,12 +37,15 @@ import time
 import numpy as np
 
 from bench.cluster import rss_bytes
-from bench.common import figure
+from bench.common import ROOT, figure
 
 TRIALS = 720
 PER_RUN = 30
+HELD_SAMPLES = 5
+"""The completions up to each multiple of PER_RUN whose samples `held_at` reads: only they are
+taken after `release_free_memory` (it collects the whole heap: at every completion it tripled
+the suite's time)."""
 CONCURRENCY = 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def trainable(config):
@@ -64,8 +68,10 @@ def arm(trials: int, per_run: int) -> dict:
 
     class Sampler(tune.Callback):
         def on_trial_complete(self, iteration, trials, trial, **info):
-            release_free_memory()
-            samples.append((len(samples) + 1, rss_bytes(os.getpid())))
+            done = len(samples) + 1
+            if is_read(done):
+                release_free_memory()
+            samples.append((done, rss_bytes(os.getpid())))
 
     configs = [
         {"trial_name": f"t{i:05d}", "hparams": {"learning_rate": 0.001 * (i + 1)}} for i in range(trials)
@@ -89,6 +95,11 @@ def arm(trials: int, per_run: int) -> dict:
     return {"wall_s": time.perf_counter() - t, "samples": samples}
 
 
+def is_read(done: int) -> bool:
+    """Whether `held_at` reads the sample taken when `done` trials are done."""
+    return -done % PER_RUN < HELD_SAMPLES
+
+
 def release_free_memory() -> None:
     """Collect garbage cycles and hand glibc's free pages back to the system, so that the
     resident size sampled next is what the process holds (see the module docstring)."""
@@ -97,9 +108,9 @@ def release_free_memory() -> None:
 
 
 def held_at(samples: list[tuple[int, int]], sizes: list[int]) -> list[float]:
-    """RSS when each size's trials are done: the median of the last 5 completions up to it
+    """RSS when each size's trials are done: the median of the last `HELD_SAMPLES` completions up to it
     (single samples jitter by a few MB). For the split round these are the ends of its runs."""
-    return [float(np.median([rss for _, rss in samples[max(0, n - 5) : n]])) for n in sizes]
+    return [float(np.median([rss for _, rss in samples[max(0, n - HELD_SAMPLES) : n]])) for n in sizes]
 
 
 def growth_per_trial(sizes: list[int], held: list[float]) -> float:
