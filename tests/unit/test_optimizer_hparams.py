@@ -143,7 +143,7 @@ def test_adamw_reads_a_searched_beta2_and_eps(beta2, eps):
         opt.step()
         m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
         expected -= 0.1 * (m / (1 - beta1**t)) / (np.sqrt(v / (1 - beta2**t)) + eps)
-    assert float(w) == pytest.approx(expected, rel=1e-12)
+    assert float(w.detach()) == pytest.approx(expected, rel=1e-12)
 
 
 def test_eps_is_refused_with_an_optimizer_that_does_not_read_it():
