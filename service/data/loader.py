@@ -155,7 +155,7 @@ class TrainStream:
         task = next(tasks)
         started = reader.start(task.pieces)
         for following in tasks:
-            if self.plain and (reader.shard or reader.cached_shard(self.pieces)):
+            if self.plain and reader.cached_shard(self.pieces):
                 return
             table = reader.finish(started)
             started = reader.start(following.pieces)

@@ -123,7 +123,10 @@ class WindowReader:
     def cached_shard(self, pieces: list[Piece]) -> CachedShard | None:
         """Once every one of `pieces` (the shard's, in shard order) is in the cache: their rows
         turned into tensors once, in that order (`CachedShard`), which replace the cache (the
-        rows are kept once). None until then, and when the shard does not fit the cache."""
+        rows are kept once; later calls return them: `shard`). None until then, and when the
+        shard does not fit the cache."""
+        if self.shard is not None:
+            return self.shard
         cache = self.cache  # once: a reading thread may drop the cache meanwhile
         if cache is None or any(p not in cache for p in pieces):
             return None
