@@ -7,11 +7,10 @@ coordinator sets it up (no CSV/TensorBoard loggers, Ray's log-once set cleared a
 actors reused): TRIALS trivial function trials
 (two reports of ~40 metrics and a summary, like a service trial's), 2 at once, actors reused so
 that Tune's bookkeeping, not trial start-up, dominates. The driver's resident memory is sampled
-at every trial completion (those it reads after a garbage collection and glibc's `malloc_trim`:
-`HELD_SAMPLES`); the figure is
-the growth per trial of what is held at the end of each of the split round's runs over the same
-for the single run, each a Theil-Sen slope (the median of the pairwise slopes) over the second
-half of the round.
+at every trial completion (the samples the figure reads, `HELD_SAMPLES`, after a garbage
+collection and glibc's `malloc_trim`); the figure is the growth per trial of what is held at
+the end of each of the split round's runs over the same for the single run, each a Theil-Sen
+slope (the median of the pairwise slopes) over the second half of the round.
 
 Why the collection and the trim: without them the resident size also counts garbage cycles not
 yet collected and memory the allocators keep after it is freed, up to a high-water mark that they
