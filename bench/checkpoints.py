@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from bench.common import figure
-from service.trainer import checkpoint
-from service.trainer.checkpoint import TrialState
-from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
+from service.distributed import checkpoint
+from service.distributed.checkpoint import TrialState
+from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore
 
 REPEATS = 15
 STALL_PAIRS = 3

@@ -339,8 +339,8 @@ def measure_multihost(tmp: str) -> dict:
 
 def rank0_gate_s() -> float:
     """What `Rank0.run` adds to a call on a rank that skips it (the gate alone)."""
-    from service.trainer.rank0 import Rank0
-    from service.trainer.topology import Topology
+    from service.distributed.rank0 import Rank0
+    from service.distributed.topology import Topology
 
     gate = Rank0(Topology(world_rank=1, world_size=MH_HOSTS))
     number = 100_000

@@ -283,9 +283,9 @@ def run_trial(study, hparams: dict, device=None, batch_source=None) -> dict:
     """One trial of `study` through the service's step loop (trainer.loop.train, this process,
     no Ray): its last eval row (`steps_per_s` is the loop's own measurement of its steps) and,
     under `steps_per_cpu_s`, its steps per CPU second of this process (`CpuClock`)."""
+    from service.distributed.topology import Topology
     from service.planning.trial import TrialPlan
     from service.trainer import loop
-    from service.trainer.topology import Topology
 
     steps = study.training.max_train_steps
     plan = TrialPlan(study, f"r-{time.monotonic_ns()}", "r", dict(hparams), steps)

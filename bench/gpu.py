@@ -64,10 +64,10 @@ def service_steps_per_s(steps: int, batch: int, width: int, **training) -> float
     `training`: extra study fields (precision, microbatch_size, compile)."""
     from bench.common import Discard
     from service.data.builtin import write_digits
+    from service.distributed.topology import Topology
     from service.planning.trial import TrialPlan
     from service.study import spec
     from service.trainer import loop
-    from service.trainer.topology import Topology
 
     with tempfile.TemporaryDirectory() as tmp:
         write_digits(f"{tmp}/data")
@@ -114,8 +114,8 @@ def nccl_all_reduce_gb_per_s(mb: int = 256) -> float:
 
 
 def checkpoint_stall(width: int = 4096) -> dict:
-    from service.trainer.checkpoint import TrialState
-    from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
+    from service.distributed.checkpoint import TrialState
+    from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore
 
     model = torch.nn.Linear(width, width).cuda()
     state = TrialState(1, model.state_dict(), {}, [], [], {})

@@ -139,7 +139,7 @@ def checked_checkpoint(checkpoint_uri: str) -> str:
     """The checkpoint's absolute URI, refused in one line when it is missing or torn (no manifest,
     or files that differ from it): before anything starts."""
     from service.core import storage
-    from service.trainer import checkpoint
+    from service.distributed import checkpoint
 
     uri = storage.absolute(checkpoint_uri)
     if not storage.exists(storage.join(uri, checkpoint.STATE_FILE)):

@@ -44,7 +44,7 @@ def rank(value: Any, step: int, mode: str) -> tuple:
     """Where an evaluation (and its checkpoint) ranks, best first when sorted ascending: by the
     metric (a non-finite one last), and on a tie the later step first. This is Ray Train's own
     order for checkpoints of equal score (the later report ranks higher), so retention on both
-    paths (Ray Train's, `trainer.checkpoint_store`'s) and the choice of the best agree: the best
+    paths (Ray Train's, `distributed.checkpoint_store`'s) and the choice of the best agree: the best
     evaluation's checkpoint is always one that is kept."""
     return key(value, mode, -step)
 

@@ -14,15 +14,15 @@ from service.core.errors import DataError, StorageError
 from service.data.files import list_files
 from service.data.loader import eval_batches
 from service.data.sharding import row_ranges
+from service.distributed import checkpoint
+from service.distributed.rank0 import Rank0
+from service.distributed.topology import Topology
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
 from service.nn.ghost_batchnorm import convert_to_ghost
 from service.study import spec
 from service.study.layout import StudyLayout, TrialLayout
-from service.trainer import checkpoint
-from service.trainer.rank0 import Rank0
-from service.trainer.topology import Topology
 
 
 def locate(checkpoint_uri: str) -> tuple[str, str]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from service.core import storage
-from service.trainer import fence
+from service.distributed import fence
 
 
 class PredictionLog:

@@ -4,7 +4,7 @@ TorchTrainer.fit's fixed cost, docs/performance.md). What Ray Train did for it i
 
 - reports: every evaluation goes to Tune (`tune.report`), which the coordinator turns into rows;
 - checkpoints: written to the same `<study>/trials/<trial>/checkpoint_*` layout, the N best by
-  the metric plus the latest (`trainer.checkpoint_store`), in the background when
+  the metric plus the latest (`distributed.checkpoint_store`), in the background when
   `training.async_checkpoint`;
 - failures: Tune restarts the trial (`TuneRun`'s `FailureConfig`), and the restarted
   trial resumes from its latest complete checkpoint on storage, which also survives a
@@ -17,11 +17,12 @@ import ray
 import ray.tune
 import torch
 
+from service.distributed import fence
+from service.distributed.checkpoint import TrialState
+from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
-from service.trainer import fence, loop
-from service.trainer.checkpoint import TrialState
-from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
-from service.trainer.topology import Topology
+from service.trainer import loop
 
 
 class TuneReporter:

@@ -23,15 +23,16 @@ from service.core import storage
 from service.core.errors import CheckpointError, DataError
 from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
+from service.distributed import checkpoint, fence
+from service.distributed.checkpoint import TrialState
+from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
 from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
 from service.planning.trial import TrialPlan
 from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
-from service.trainer import checkpoint, fence, loop
-from service.trainer.checkpoint import TrialState
-from service.trainer.topology import Topology, rank_topology
+from service.trainer import loop
 
 MAX_WORKER_GROUP_RESTARTS = 2
 NOT_THE_USERS_PROBLEM = ("`broadcast_buffers` is deprecated",)
@@ -42,7 +43,7 @@ log: torch's notice about the DDP argument the loop passes on purpose (see `trai
 class RayTrainReporter:
     """`loop.Reporter` on Ray Train: reports are barriers across ranks; rank 0 alone passes a
     checkpoint directory, which Ray persists to the trial's storage and ranks for retention.
-    Rank 0 holds the worker group's attempt at the trial (`trainer.fence`): a group that a later
+    Rank 0 holds the worker group's attempt at the trial (`distributed.fence`): a group that a later
     one superseded uploads no checkpoint."""
 
     def __init__(self, attempt: fence.Attempt | None = None):

@@ -15,7 +15,7 @@ controller, placement group and worker group started for every trial (docs/perfo
 - Failures: a rank that fails ends the trial on every rank (a failed actor's peers are killed,
   which breaks rank 0's collectives), the pool is closed, and the error goes to Tune, which
   restarts the trial in a new process with a new pool; it resumes from its latest complete
-  checkpoint on storage (rank 0 keeps them, `trainer.checkpoint_store`; every rank reads it).
+  checkpoint on storage (rank 0 keeps them, `distributed.checkpoint_store`; every rank reads it).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from service.distributed.checkpoint import TrialState
+from service.distributed.checkpoint_store import CheckpointStore
+from service.distributed.topology import Topology, rank_topology, world_order
 from service.orchestration import fast_path, launch
 from service.planning.trial import TrialPlan
 from service.trainer import loop
-from service.trainer.checkpoint import TrialState
-from service.trainer.checkpoint_store import CheckpointStore
-from service.trainer.topology import Topology, rank_topology, world_order
 
 BACKEND = "gloo"
 WATCH_INTERVAL_S = 0.2

@@ -20,11 +20,11 @@ through the same layout, so a name here never changes.
             metrics.jsonl                 rank 0's log, one row per evaluation
             topology.json                 where each rank ran
             error.txt                     a failed trial's error
-            attempt.json                  the trial's current attempt (`trainer.fence`)
+            attempt.json                  the trial's current attempt (`distributed.fence`)
             predictions/<split>-step<step>.parquet
             profile/rank0.trace.json      the profiled steps (input.profile_steps)
             checkpoint_*/                 checkpoints (the fast path's: checkpoint_<step>; the
-                                          files inside are `trainer.checkpoint`'s)
+                                          files inside are `distributed.checkpoint`'s)
             evals/<split>-<checkpoint>/   `playbook eval`'s metrics.json and predictions.parquet
 """
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.distributed.topology import Topology
 from service.planning.find_steps import middle
 from service.planning.trial import TrialPlan
 from service.study.spec import Study
@@ -35,7 +36,6 @@ from service.trainer.loop import BatchSource, local_batches
 from service.trainer.profiling import StepProfiler
 from service.trainer.setup import Progress, TrialContext, set_up
 from service.trainer.step import train_step
-from service.trainer.topology import Topology
 
 WARMUP_STEPS = 3
 """Steps run before the timed ones (not timed)."""

@@ -19,21 +19,22 @@ from service.core.trial_status import TrialStatus
 from service.data import files
 from service.data.loader import Batch, TrainStream, eval_batches
 from service.data.prefetch import prefetch_stream
+from service.distributed import checkpoint, topology_record
+from service.distributed.checkpoint import TrialState
+from service.distributed.rank0 import Rank0
+from service.distributed.topology import Topology, init_seed
 from service.evaluation import predictions as prediction_files
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
 from service.evaluation.sampling import bias_fields, is_full_eval
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.planning.trial import TrialPlan
-from service.trainer import checkpoint, rng, topology_record
-from service.trainer.checkpoint import TrialState
+from service.trainer import rng
 from service.trainer.optimizers import build_optimizer  # noqa: F401  (imported from here by tests)
 from service.trainer.profiling import StepProfiler
-from service.trainer.rank0 import Rank0
 from service.trainer.setup import Progress, TrialContext, set_up
 from service.trainer.step import train_step
 from service.trainer.tally import all_reduce_min, all_reduce_sum
-from service.trainer.topology import Topology, init_seed
 
 
 class Reporter(Protocol):
@@ -55,7 +56,7 @@ def local_batches(depth: int, pin: bool = False) -> BatchSource:
 
 class Checkpointer(Protocol):
     """Where rank 0's checkpoints go when the caller keeps them itself (no Ray Train): see
-    `trainer.checkpoint_store`. Without one, each checkpoint is written to a temporary
+    `distributed.checkpoint_store`. Without one, each checkpoint is written to a temporary
     directory and handed to `Reporter.report` (Ray Train persists and retains it)."""
 
     def save(self, state: TrialState, metrics: dict) -> str:

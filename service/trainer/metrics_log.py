@@ -16,7 +16,7 @@ import json
 import math
 
 from service.core import storage
-from service.trainer import fence
+from service.distributed import fence
 
 
 def finite_or_none(v):

@@ -16,19 +16,20 @@ from service.data.files import list_files
 from service.data.input_timer import InputTimer
 from service.data.loader import TrainStream, unused_columns
 from service.data.sharding import RowRange, row_ranges, train_shard
+from service.distributed import topology_record
+from service.distributed.rank0 import Rank0
+from service.distributed.topology import Topology, data_seed, init_seed
 from service.evaluation.sampling import EvalSample, plan_sample, sample_of
 from service.nn.ghost_batchnorm import convert_to_ghost, ghost_group
 from service.planning.trial import TrialPlan
 from service.study.search import CLIP_HPARAM
 from service.study.training import Training
-from service.trainer import rng, topology_record
+from service.trainer import rng
 from service.trainer.gradients import Gradients
 from service.trainer.metrics_log import MetricsLog
 from service.trainer.optimizers import workload_optimizer
 from service.trainer.precision import Precision
-from service.trainer.rank0 import Rank0
 from service.trainer.tally import StepTally, distributed
-from service.trainer.topology import Topology, data_seed, init_seed
 from service.workloads.base import Workload
 
 COMPILE_BACKEND = "inductor"

@@ -11,8 +11,8 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
+from service.distributed import checkpoint
 from service.study import spec
-from service.trainer import checkpoint
 from tests.helpers.studies import run_within_timeout
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]

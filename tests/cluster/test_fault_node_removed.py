@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
+from service.distributed import checkpoint
 from service.planning.trial import TrialPlan
-from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.netns_cluster import HEALTH_CHECK
 from tests.helpers.studies import make_study

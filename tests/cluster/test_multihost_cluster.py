@@ -103,7 +103,7 @@ def node_of_each_rank(topology: dict) -> tuple[str, ...]:
 
 
 def final_state(plan: TrialPlan):
-    from service.trainer import checkpoint
+    from service.distributed import checkpoint
 
     folders = [
         os.path.join(plan.trial_uri, d) for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")

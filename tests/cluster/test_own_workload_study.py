@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from service.cli.prepare import TRAIN_POLL_ENV, TRAIN_POLL_S
-from service.trainer import checkpoint
+from service.distributed import checkpoint
 from tests.helpers import contract_workloads as cw
 from tests.helpers.processes import EnvironWatcher
 from tests.helpers.ray_head import BIN, start_ray_head, wait_for_job

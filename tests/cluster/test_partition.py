@@ -2,7 +2,7 @@
 running rank 0 (the trial's writer) goes down for longer than Ray's failure detection, its
 processes living on, unreachable; then it comes back. Nothing hangs: Ray marks the node dead,
 Ray Train restarts the worker group on the hosts that remain (a spare host takes the lost one's
-place), the new group claims the trial (`trainer.fence`) and resumes from the latest checkpoint,
+place), the new group claims the trial (`distributed.fence`) and resumes from the latest checkpoint,
 and the study ends with the same metrics log and checkpoints as the trial trained without Ray or
 a network (one gloo process per rank here). The stranded processes end once their host is back
 (its raylet learns it was declared dead), and the storage audit shows that none of them wrote
@@ -20,10 +20,10 @@ import urllib.request
 import pytest
 
 from service.core import storage
+from service.distributed import checkpoint, fence
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
-from service.trainer import checkpoint, fence
-from service.trainer.topology import Topology
 from tests.helpers import netns_cluster
 from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import same_nested, study_dict

@@ -4,24 +4,31 @@ root namespace. Each trial is compared with the same trial trained without Ray o
 `loop.train` in one gloo process per rank on this machine (tests/helpers/gloo.py), each given
 the world, host and local rank the layout assigns. The hosts are checked against what the
 network says: Ray's node table (the IP of each node id in topology.json) and Ray Train's own
-record of its workers (their node IP, node_rank and pid)."""
+record of its workers (their node IP, node_rank and pid). First, `make real-hosts`'s entry point
+run from a clean working directory, as on a fresh clone."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
 from service.data.files import list_files
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
-from service.trainer import checkpoint
-from service.trainer.topology import Topology
 from tests.helpers import netns_cluster
 from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import same_nested, study_dict
@@ -41,6 +48,90 @@ def cluster(tmp_path_factory):
         pytest.skip(reason)
     with netns_cluster.netns_cluster(tmp_path_factory.mktemp("netns"), WORKERS, cpus=2) as c:
         yield c
+
+
+# `make real-hosts` from a clean working directory. It runs before the module's cluster starts
+# (tests run in file order), so the two clusters never share the machine's cores.
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DEMO_TIMEOUT_S = 600
+"""The demo took 68 s from a fresh clone on this machine (2026-12-05); past this it gets SIGINT,
+so that it tears its cluster down itself, before the test's own timeout."""
+
+
+def cluster_leftovers(cluster_id: str) -> list[str]:
+    """What a namespace cluster of id `cluster_id` left on this machine: its namespaces, its
+    veths and bridge, its Ray temp dirs and /etc/netns entries (netns_cluster's names)."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    link_names = [line.split(": ")[1].split("@")[0] for line in links.splitlines()]
+    return (
+        [
+            f"netns {line.split()[0]}"
+            for line in namespaces.splitlines()
+            if line.startswith(f"pb{cluster_id}-")
+        ]
+        + [f"link {n}" for n in link_names if n == f"pbr{cluster_id}" or n.startswith(f"pv{cluster_id}-")]
+        + glob.glob(f"/tmp/rn-{cluster_id}-*")
+        + glob.glob(os.path.join(netns_cluster.NETNS_ETC, f"pb{cluster_id}-*"))
+    )
+
+
+def remove_leftovers(left: list[str]) -> None:
+    """Kill and delete what `cluster_leftovers` found (of a demo that did not tear down)."""
+    for item in left:
+        if item.startswith("netns "):
+            netns_cluster.kill_namespace(item.split()[1])
+            subprocess.run(["ip", "netns", "del", item.split()[1]], capture_output=True)
+    for item in left:
+        if item.startswith("link "):
+            subprocess.run(["ip", "link", "del", item.split()[1]], capture_output=True)
+        elif item.startswith("/"):
+            shutil.rmtree(item, ignore_errors=True)
+
+
+def test_make_real_hosts_runs_from_a_clean_working_directory(tmp_path):
+    """`make real-hosts`'s command, `python -m tests.helpers.real_hosts_demo`, run in an empty
+    directory, as on a fresh clone (no .demo/): it writes the digits data, brings the cluster up
+    with its hosts' logs in .demo/real-hosts, the job succeeds, each of its 2 trials ran its 3
+    ranks on 3 different hosts, and it tears down everything it started. (It failed at once with
+    `FileNotFoundError: .demo/real-hosts/ray-head.log` while only pytest's folders existed.)"""
+    reason = netns_cluster.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("RAY_ADDRESS", None)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.real_hosts_demo"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    cluster_id = f"{demo.pid:x}0"  # netns_cluster's id of a process's first cluster
+    try:
+        out, _ = demo.communicate(timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        demo.send_signal(signal.SIGINT)  # KeyboardInterrupt: its netns_cluster block tears down
+        out, _ = demo.communicate(timeout=120)
+        out = f"timed out after {DEMO_TIMEOUT_S} s\n{out}"
+    finally:
+        if demo.poll() is None:  # SIGINT unanswered, or the test itself interrupted
+            demo.kill()
+            demo.wait()
+        left = cluster_leftovers(cluster_id)
+        remove_leftovers(left)
+    assert demo.returncode == 0, out[-6000:]
+    assert not left, f"the demo left {left}"
+    assert re.search(r"job raysubmit_\w+: SUCCEEDED", out), out[-6000:]
+    assert (tmp_path / ".demo" / "real-hosts" / "ray-head.log").exists()
+    ranks = re.findall(r"explore-000\d: rank 0 on (h\d) .*, rank 1 on (h\d) .*, rank 2 on (h\d) ", out)
+    assert len(ranks) == 2 and all(len(set(hosts)) == 3 for hosts in ranks), out[-3000:]
+    assert "torn down" in out
 
 
 def one_trial_study(digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from service.core.errors import CheckpointError
-from service.trainer import checkpoint
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.studies import same_nested
 from tests.helpers.trainer_runs import make_plan, read_log, without_timing
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 
+from service.distributed import checkpoint
 from service.planning.trial import TrialPlan
 from service.study import spec
-from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.processes import end_session, kill_session
 from tests.helpers.studies import same_nested, study_dict

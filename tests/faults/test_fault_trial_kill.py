@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from service.trainer import checkpoint
-from service.trainer.checkpoint_store import CheckpointStore
+from service.distributed import checkpoint
+from service.distributed.checkpoint_store import CheckpointStore
 from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.studies import make_study, same_nested
 

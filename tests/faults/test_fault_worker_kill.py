@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
+from service.distributed import checkpoint
 from service.planning.trial import TrialPlan
-from service.trainer import checkpoint
 from tests.helpers.studies import make_study
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from service.trainer import checkpoint
-from service.trainer.checkpoint import TrialState
+from service.distributed import checkpoint
+from service.distributed.checkpoint import TrialState
 from tests.helpers.flaky_storage import FlakyMemoryFS, unwritable_dir
 
 

@@ -22,6 +22,7 @@ import fcntl
 import itertools
 import json
 import os
+import pathlib
 import re
 import secrets
 import shutil
@@ -134,7 +135,10 @@ class NetnsCluster:
 
     def __init__(self, tmp_path, system_config: dict | None = None):
         self.id = f"{os.getpid():x}{next(_ids)}"
-        self.tmp_path = tmp_path
+        self.tmp_path = pathlib.Path(tmp_path)
+        """The folder of the hosts' Ray logs (`ray-<host>.log`), made here if missing: `make
+        real-hosts` passes `.demo/real-hosts`, which a fresh clone lacks."""
+        self.tmp_path.mkdir(parents=True, exist_ok=True)
         self.bridge = f"pbr{self.id}"
         self.subnet: int | None = None
         self.hosts: dict[str, Host] = {}

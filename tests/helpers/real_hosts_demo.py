@@ -2,7 +2,9 @@
 address (tests/helpers/netns_cluster.py); the demo study's digits workload, 2 trials of 3 hosts x
 1 worker, submitted with `ray job submit` from this (the root) namespace; the job's end, where
 the study is, and which address each rank trained on; then everything is torn down. Needs root
-and iproute2."""
+and iproute2. It writes under the working directory's `.demo/` (the digits data, if missing, as
+`make demo` does; the hosts' Ray logs and the study under `.demo/real-hosts`), made as needed, so
+it runs from a fresh clone; the demo study file is read from the repository."""
 
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ import yaml
 from tests.helpers import netns_cluster
 from tests.helpers.ray_head import BIN, wait_for_job
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ROOT = pathlib.Path(".demo/real-hosts").absolute()
 DATA = pathlib.Path(".demo/data").absolute()
-DEMO_STUDY = "studies/digits-demo.yaml"
+DEMO_STUDY = REPO / "studies" / "digits-demo.yaml"
 
 
 def study() -> dict:
     """The demo study on 3 hosts x 1 worker: 2 trials, batches divisible by 3 ranks."""
-    raw = yaml.safe_load(open(DEMO_STUDY))
+    raw = yaml.safe_load(DEMO_STUDY.read_text())
     raw["name"] = "real-hosts-demo"
     raw["data"] = {split: str(DATA / split) for split in ("train", "validation", "test")}
     raw["storage"] = str(ROOT / "studies")

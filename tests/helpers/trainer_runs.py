@@ -9,9 +9,9 @@ import shutil
 
 import torch
 
+from service.distributed.checkpoint import TrialState
 from service.planning.trial import TrialPlan
 from service.study import spec
-from service.trainer.checkpoint import TrialState
 
 HPARAMS = {"learning_rate": 0.1, "momentum": 0.9, "width": 4}
 
@@ -89,8 +89,8 @@ def plain_loop_parts(plan: TrialPlan):
     from service.data.files import list_files
     from service.data.loader import TrainStream
     from service.data.sharding import train_shard
+    from service.distributed.topology import data_seed, init_seed
     from service.trainer.loop import build_optimizer
-    from service.trainer.topology import data_seed, init_seed
 
     workload = workloads.get(plan.study.workload)
     torch.manual_seed(init_seed(plan.trial_seed))
@@ -119,8 +119,8 @@ class NoCheckpoints:
 
 def train_in_process(plan: TrialPlan) -> None:
     """The trial in the loop in this process, on one torch thread as a one-CPU worker trains."""
+    from service.distributed.topology import Topology
     from service.trainer.loop import train
-    from service.trainer.topology import Topology
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

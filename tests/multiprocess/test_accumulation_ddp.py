@@ -9,9 +9,9 @@ import pathlib
 import pytest
 import torch
 
-from service.trainer import checkpoint
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers import mlp_workload
 from tests.helpers.gloo import run_gloo
 from tests.helpers.trainer_runs import Reporter, make_plan

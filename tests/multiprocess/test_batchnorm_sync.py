@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.nn.batchnorm import sync_batchnorm_stats
 from service.planning.trial import TrialPlan
 from service.study import spec
-from service.trainer import checkpoint
 from service.trainer.loop import TIMING_FIELDS, train
-from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers.gloo import run_gloo
 

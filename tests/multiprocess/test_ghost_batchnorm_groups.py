@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from service.distributed.topology import Topology
 from service.nn.ghost_batchnorm import GhostBatchNorm1d, GhostBatchNorm2d, ghost_group
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers.ghost_batchnorm_ref import random_batch, ref_train
 from tests.helpers.gloo import run_gloo

@@ -10,8 +10,8 @@ import pathlib
 
 import torch
 
-from service.trainer import checkpoint
-from service.trainer.topology import Topology
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from tests.helpers.gloo import run_gloo
 from tests.helpers.studies import same_nested
 from tests.helpers.trainer_runs import Reporter, make_plan, without_timing

@@ -17,12 +17,12 @@ from service.analysis.round_checks import budget_spent, verdicts_for_round
 from service.analysis.verdicts import study_verdicts
 from service.cli import main
 from service.core.errors import SpecError
+from service.distributed.topology import Topology
 from service.evaluation import predictions
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.study.search import HParam
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.gloo import run_gloo
 
 LR = HParam(role="nuisance", type="float", min=1e-3, max=1.0, scale="log")

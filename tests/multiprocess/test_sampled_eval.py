@@ -9,10 +9,10 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.gloo import run_gloo
 
 SAMPLE, EVERY, FULL_EVERY, MAX_STEPS = 90, 10, 20, 40

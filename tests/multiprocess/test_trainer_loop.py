@@ -16,11 +16,11 @@ import torch
 from sklearn.metrics import zero_one_loss
 from torch import nn
 
+from service.distributed import checkpoint
+from service.distributed.checkpoint import TrialState
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
-from service.trainer import checkpoint
-from service.trainer.checkpoint import TrialState
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from service.workloads.digits import Digits, SmallConvNet
 from tests.helpers.trainer_runs import (
     HPARAMS,
@@ -281,7 +281,7 @@ def test_ghost_batch_norm_is_what_the_loop_trains_with(digits_dir, tmp_path, gho
     from service.data.files import list_files
     from service.data.loader import TrainStream
     from service.data.sharding import train_shard
-    from service.trainer.topology import data_seed, init_seed
+    from service.distributed.topology import data_seed, init_seed
 
     plan = make_plan(
         digits_dir,

@@ -127,7 +127,7 @@ def write_study(digits_dir, tmp_path, name, lrs) -> str:
 
 
 def last_checkpoint(trial_dir):
-    from service.trainer import checkpoint
+    from service.distributed import checkpoint
 
     folders = [p for p in trial_dir.iterdir() if p.name.startswith("checkpoint") and p.is_dir()]
     return max((checkpoint.load(str(p)) for p in folders), key=lambda s: s.step)

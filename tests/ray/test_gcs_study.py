@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from service import cli, workloads
-from service.trainer import checkpoint
+from service.distributed import checkpoint
 from tests.helpers.studies import study_dict
 
 pytestmark = pytest.mark.ray

@@ -19,8 +19,8 @@ from PIL import Image
 
 from service import workloads
 from service.data.images import write_images
+from service.distributed import checkpoint
 from service.study import spec
-from service.trainer import checkpoint
 from tests.helpers.studies import run_within_timeout
 
 pytestmark = pytest.mark.ray

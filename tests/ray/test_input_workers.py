@@ -18,10 +18,10 @@ from service.data.files import list_files
 from service.data.loader import TrainStream
 from service.data.process_input import process_source
 from service.data.sharding import RowRange
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import TIMING_FIELDS, train
-from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers.parquet_files import corrupt_column
 from tests.helpers.trainer_runs import NoCheckpoints, read_log, train_in_process, without_timing

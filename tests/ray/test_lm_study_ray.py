@@ -16,8 +16,8 @@ import yaml
 
 from service import workloads
 from service.data import text
+from service.distributed import checkpoint
 from service.study import spec
-from service.trainer import checkpoint
 from tests.helpers.lm_reference import corpus_rows, plain_token_losses
 
 pytestmark = pytest.mark.ray

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from service.trainer import checkpoint
+from service.distributed import checkpoint
 from tests.helpers.curve_rules import plain_curve_kinds
 from tests.helpers.studies import digits_logits, make_study
 

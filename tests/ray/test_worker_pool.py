@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from service.trainer.checkpoint_store import CheckpointStore
+from service.distributed.checkpoint_store import CheckpointStore
 from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.studies import make_study, run_within_timeout, same_nested
 

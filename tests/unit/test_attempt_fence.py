@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from service.distributed import fence, topology_record
+from service.distributed.checkpoint import TrialState
+from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore
 from service.evaluation import predictions
 from service.study.layout import TrialLayout
-from service.trainer import fence, topology_record
-from service.trainer.checkpoint import TrialState
-from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
 from service.trainer.metrics_log import MetricsLog
 
 METRIC = "validation/error"

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from service.trainer import checkpoint
-from service.trainer.checkpoint import TrialState
-from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.distributed import checkpoint
+from service.distributed.checkpoint import TrialState
+from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.distributed.topology import Topology
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.studies import same_nested
 from tests.helpers.trainer_runs import Reporter, make_plan
 

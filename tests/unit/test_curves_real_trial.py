@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from service.analysis import curves
+from service.distributed.topology import Topology
 from service.study.sections import Curves
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.curve_rules import plain_curve_kinds
 from tests.helpers.trainer_runs import Reporter, make_plan, read_log
 

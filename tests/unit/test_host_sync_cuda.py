@@ -14,10 +14,10 @@ from service.data.files import list_files
 from service.data.loader import TrainStream
 from service.data.prefetch import prefetch_stream
 from service.data.sharding import train_shard
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers.trainer_runs import HPARAMS, Reporter
 

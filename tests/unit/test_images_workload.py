@@ -22,9 +22,9 @@ from service.data.images import write_images
 from service.data.loader import TrainStream, eval_batches
 from service.data.process_input import process_source
 from service.data.sharding import RowRange
-from service.trainer import checkpoint
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.trainer_runs import Interrupted, Reporter, make_plan, without_timing
 
 SEED, BATCH, PAD = 987654321, 10, 4

@@ -17,10 +17,10 @@ from service.analysis.report_lines import round_verdicts
 from service.data.files import list_files
 from service.data.loader import unused_columns
 from service.data.sharding import RowRange
+from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers import input_workloads
 
 

@@ -18,7 +18,9 @@ LAYERS = [
     {"data"},
     {"study"},
     {"planning"},
-    {"trainer", "evaluation"},
+    {"distributed"},
+    {"evaluation"},
+    {"trainer"},
     {"analysis"},
     {"tracking"},
     {"report"},
@@ -96,6 +98,8 @@ def test_every_package_of_service_is_a_layer():
         ("study/spec.py", "from service.tracking import trial_table", "lower layer (study)"),
         ("analysis/verdicts.py", "from service import report", "lower layer (analysis)"),
         ("data/files.py", "from ..planning import trial", "lower layer (data)"),
+        ("evaluation/offline.py", "from service.trainer import loop", "lower layer (evaluation)"),
+        ("distributed/checkpoint.py", "from service.evaluation import run", "lower layer (distributed)"),
     ],
 )
 def test_the_rule_catches_an_import_added_where_it_does_not_belong(module, line, broken):

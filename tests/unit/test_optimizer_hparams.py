@@ -13,11 +13,11 @@ import torch
 
 from service.analysis import curves
 from service.core.errors import SpecError
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.study import spec
 from service.study.sections import Curves
-from service.trainer import checkpoint
 from service.trainer.loop import build_optimizer, train
-from service.trainer.topology import Topology
 from tests.helpers.studies import MINIMAL_STUDY
 from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan, plain_loop_parts, read_log
 from tests.helpers.two_branches import TwoBranches

@@ -3,7 +3,7 @@ decides them, never the node ids."""
 
 from __future__ import annotations
 
-from service.trainer.topology import placement
+from service.distributed.topology import placement
 
 
 def test_world_rank_0_is_on_host_0_whatever_its_node_id():
@@ -36,7 +36,7 @@ def test_a_pool_in_any_bundle_order_gives_world_rank_r_the_layout_place():
     (r // 2, r % 2) (worked out by hand) and the nodes hold ranks 0-1 (b2), 2-3 (a1), 4-5 (c3)."""
     from itertools import permutations
 
-    from service.trainer.topology import world_order
+    from service.distributed.topology import world_order
 
     for bundles in set(permutations(["b2", "a1", "a1", "c3", "c3"])):
         order = world_order("b2", list(bundles))

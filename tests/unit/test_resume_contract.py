@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from service.trainer import checkpoint
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.trainer_runs import Interrupted, Reporter, make_plan, without_timing
 
 WORKLOAD = "tests.helpers.rng_workloads:DropoutDigits"  # dropout: training draws from the RNG

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.trainer import checkpoint, setup
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.trainer import precision as amp
+from service.trainer import setup
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from service.workloads.digits import Digits
 from tests.helpers import mlp_workload
 from tests.helpers.trainer_runs import (
@@ -312,7 +313,7 @@ def test_param_groups_that_would_lose_a_parameter_or_a_hyperparameter_are_refuse
 def test_the_fast_paths_async_checkpoints_keep_the_scaler(digits_dir, tmp_path):
     """The single-worker fast path saves through AsyncCheckpointer (a snapshot of the state):
     its last checkpoint holds the same fp16 scaler state as the reporter's."""
-    from service.trainer.checkpoint_store import AsyncCheckpointer, CheckpointStore
+    from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore
 
     reported = final_state(run(plan_with(digits_dir, tmp_path / "a", precision="fp16"), tmp_path / "wa"))
     store = CheckpointStore(str(tmp_path / "store"), 2, "validation/loss", "min")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.trainer import checkpoint
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.trainer.loop import train
-from service.trainer.topology import Topology
 from tests.helpers.trainer_runs import HPARAMS, Reporter, make_plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

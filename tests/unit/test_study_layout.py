@@ -123,15 +123,15 @@ def test_a_study_written_by_the_code_holds_exactly_the_files_its_layout_names(
     a profiled step), `playbook eval` of its checkpoint, the trial table, provenance and the
     storage root's index: every file each wrote is a path of the layout, and each such path
     exists."""
+    from service.distributed.checkpoint import MANIFEST_FILE, META_FILE, STATE_FILE
+    from service.distributed.checkpoint_store import CheckpointStore, SyncCheckpointer
+    from service.distributed.topology import Topology
     from service.evaluation.offline import evaluate_checkpoint
     from service.planning.trial import TrialPlan
     from service.study import spec
     from service.tracking import provenance, study_index
     from service.tracking.trial_table import TrialTable
-    from service.trainer.checkpoint import MANIFEST_FILE, META_FILE, STATE_FILE
-    from service.trainer.checkpoint_store import CheckpointStore, SyncCheckpointer
     from service.trainer.loop import train
-    from service.trainer.topology import Topology
 
     root = tmp_path / "studies"
     study = make_study(

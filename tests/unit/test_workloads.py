@@ -25,14 +25,14 @@ from service.core.errors import DataError, SpecError
 from service.data.files import list_files
 from service.data.loader import TrainStream, eval_batches
 from service.data.sharding import row_ranges
+from service.distributed import checkpoint
+from service.distributed.topology import Topology
 from service.evaluation import predictions as prediction_files
 from service.evaluation.offline import evaluate_checkpoint
 from service.evaluation.predictions import PredictionLog
 from service.evaluation.run import evaluate
 from service.study import spec
 from service.study.checks import check_data
-from service.trainer import checkpoint
-from service.trainer.topology import Topology
 from tests.helpers import contract_workloads as cw
 from tests.helpers.studies import digits_logits, make_study
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from service.trainer.topology import Topology
+from service.distributed.topology import Topology
 
 T = TypeVar("T")
 

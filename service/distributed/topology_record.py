@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from service.core import storage
-from service.trainer import fence
-from service.trainer.topology import Topology
+from service.distributed import fence
+from service.distributed.topology import Topology
 
 
 def params_sha256(model: nn.Module) -> str:

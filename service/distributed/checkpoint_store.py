@@ -2,7 +2,7 @@
 `<trial>/checkpoint_<step>` directories, the N best by the metric plus the latest, each one
 either complete or not selectable; optionally saved in the background (`AsyncCheckpointer`).
 
-Selectable = a `checkpoint_*` directory with its manifest (`trainer.checkpoint`: sizes and
+Selectable = a `checkpoint_*` directory with its manifest (`distributed.checkpoint`: sizes and
 CRC-32 of the other files, written last). On a local filesystem a checkpoint is written into a
 hidden `.partial-*` directory and renamed into place, so a crash mid-write leaves nothing
 selectable; on object stores state.pt and meta.json are uploaded before the manifest, and a
@@ -27,9 +27,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from service.core import storage
 from service.core.ranking import rank
+from service.distributed import checkpoint, fence
+from service.distributed.checkpoint import TrialState
 from service.study.layout import CHECKPOINT_PREFIX, TrialLayout, checkpoint_name
-from service.trainer import checkpoint, fence
-from service.trainer.checkpoint import TrialState
 
 PARTIAL = ".partial-"
 
@@ -63,7 +63,7 @@ class CheckpointStore:
 
     def save(self, state: TrialState, metrics: dict) -> str:
         """Write `state` as the checkpoint of its step, then drop what retention no longer keeps.
-        A stale attempt at the trial (`trainer.fence`) writes nothing, and commits nothing when a
+        A stale attempt at the trial (`distributed.fence`) writes nothing, and commits nothing when a
         later attempt claimed the trial while it was writing."""
         fence.check(self.uri(state.step))
         name = checkpoint_name(state.step)
