@@ -15,7 +15,7 @@ from service.core.ranking import worst
 from service.core.trial_status import TrialStatus
 from service.orchestration.bayesian_search import round_searcher
 from service.planning import bayesian
-from tests.unit.test_bayesian_round import ROWS, study
+from tests.helpers.bayesian_round import ROWS, study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 METRIC = "validation/error"
