@@ -209,6 +209,12 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+def size(uri: str) -> int:
+    """The size of the file at `uri` in bytes, from its listing (FileNotFoundError when absent)."""
+    fs, path = split(uri)
+    return fs.size(path)
+
+
 def exists(uri: str) -> bool:
     fs, path = split(uri)
     return fs.exists(path)

@@ -33,7 +33,10 @@ STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-"""Format of the state.pt payload."""
+"""Format of the state.pt payload of a whole checkpoint (model and optimizer inside)."""
+SHARDED_FORMAT = 2
+"""Format of the state.pt payload of a sharded checkpoint: the model and optimizer are in the
+`torch.distributed.checkpoint` folder `TrialState.shards` names (`distributed.sharded`)."""
 MANIFEST_FORMAT = 2
 """Format of manifest.json: 1 = size + sha256 of each file, 2 = size + crc32."""
 
@@ -52,16 +55,20 @@ class TrialState:
     """The trial's hyperparameters (so a checkpoint alone rebuilds its model)."""
     scaler: dict = field(default_factory=dict)
     """fp16's gradient scaler state (`torch.amp.GradScaler.state_dict`); empty otherwise."""
+    shards: str = ""
+    """A sharded checkpoint's model and optimizer: on disk the folder beside state.pt that holds
+    them (`model`), once loaded its URI; `model` and `optimizer` are then empty. Empty for a
+    whole checkpoint."""
 
 
-def _write_atomic(directory: str, name: str, data: bytes) -> None:
+def write_atomic(directory: str, name: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".partial")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, os.path.join(directory, name))
 
 
-def _entry(data: bytes, manifest_format: int = MANIFEST_FORMAT) -> dict:
+def entry(data: bytes, manifest_format: int = MANIFEST_FORMAT) -> dict:
     if manifest_format == 1:
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     return {"size": len(data), "crc32": zlib.crc32(data)}
@@ -98,9 +105,10 @@ class _ChecksummedWriter:
         return {"size": self.size, "crc32": self.crc32}
 
 
-def _save_state(state: TrialState, directory: str) -> dict:
+def save_state(state: TrialState, directory: str) -> dict:
     """Write state.pt atomically; returns its manifest entry."""
-    payload = {"format": FORMAT_VERSION, **state.__dict__}
+    version = SHARDED_FORMAT if state.shards else FORMAT_VERSION
+    payload = {"format": version, **{k: v for k, v in state.__dict__.items() if k != "shards" or v}}
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".partial")
     # The zip's own CRC-32s would be a second checksum pass that nothing reads (the setting is
     # thread-local, so other threads' torch.save calls keep theirs).
@@ -118,11 +126,11 @@ def _save_state(state: TrialState, directory: str) -> dict:
 def save(state: TrialState, directory: str, metrics: dict) -> None:
     """Write the state into `directory`: state.pt, meta.json, then the manifest that commits them."""
     os.makedirs(directory, exist_ok=True)
-    files = {STATE_FILE: _save_state(state, directory)}
+    files = {STATE_FILE: save_state(state, directory)}
     meta = json.dumps({"step": state.step, "metrics": metrics}).encode()
-    _write_atomic(directory, META_FILE, meta)
-    files[META_FILE] = _entry(meta)
-    _commit(directory, files)
+    write_atomic(directory, META_FILE, meta)
+    files[META_FILE] = entry(meta)
+    commit(directory, files)
 
 
 def write_manifest(directory: str) -> None:
@@ -131,37 +139,67 @@ def write_manifest(directory: str) -> None:
     for name in sorted(os.listdir(directory)):
         if name != MANIFEST_FILE and not name.endswith(".partial"):
             with open(os.path.join(directory, name), "rb") as f:
-                files[name] = _entry(f.read())
-    _commit(directory, files)
+                files[name] = entry(f.read())
+    commit(directory, files)
 
 
-def _commit(directory: str, files: dict[str, dict]) -> None:
+def commit(directory: str, files: dict[str, dict]) -> None:
     manifest = {"format": MANIFEST_FORMAT, "files": files}
-    _write_atomic(directory, MANIFEST_FILE, json.dumps(manifest, sort_keys=True).encode())
+    write_atomic(directory, MANIFEST_FILE, json.dumps(manifest, sort_keys=True).encode())
 
 
 def verify(where: str, read: Callable[[str], bytes]) -> dict[str, bytes]:
     """The committed files of the checkpoint at `where`, read through `read(name)`; raises
     CheckpointError when the manifest is missing or a file is missing or differs from it."""
+    listed = manifest(where, read)
+    return check_contents(where, listed, read, list(listed["files"]))
+
+
+def manifest(where: str, read: Callable[[str], bytes]) -> dict:
+    """The checkpoint's manifest ({"format", "files": {name: entry}}); CheckpointError when it is
+    missing, unreadable or lists no state.pt."""
     try:
-        manifest = json.loads(read(MANIFEST_FILE))
-        listed, manifest_format = manifest["files"], manifest["format"]
+        found = json.loads(read(MANIFEST_FILE))
+        listed, manifest_format = found["files"], found["format"]
         if manifest_format not in (1, MANIFEST_FORMAT):
             raise ValueError(manifest_format)
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{where}: incomplete checkpoint (no valid {MANIFEST_FILE})") from None
     if STATE_FILE not in listed:
         raise CheckpointError(f"{where}: incomplete checkpoint ({MANIFEST_FILE} lists no {STATE_FILE})")
+    return found
+
+
+def check_contents(
+    where: str, listed: dict, read: Callable[[str], bytes], names: list[str]
+) -> dict[str, bytes]:
+    """The files `names` of the checkpoint, each read whole and checked against the manifest
+    `listed` (CheckpointError naming the first missing or different one)."""
     contents = {}
-    for name, want in listed.items():
+    for name in names:
         try:
             data = read(name)
         except OSError:
             raise CheckpointError(f"{where}: incomplete checkpoint ({name} is missing)") from None
-        if _entry(data, manifest_format) != want:
+        if entry(data, listed["format"]) != listed["files"][name]:
             raise CheckpointError(f"{where}: incomplete checkpoint ({name} does not match {MANIFEST_FILE})")
         contents[name] = data
     return contents
+
+
+def check_sizes(where: str, listed: dict, size: Callable[[str], int]) -> None:
+    """Every file of the manifest `listed` is there with its size (`size(name)`: from a listing,
+    no read); CheckpointError naming the first missing or truncated one."""
+    for name, want in sorted(listed["files"].items()):
+        try:
+            got = size(name)
+        except OSError:
+            raise CheckpointError(f"{where}: incomplete checkpoint ({name} is missing)") from None
+        if got != want["size"]:
+            raise CheckpointError(
+                f"{where}: incomplete checkpoint ({name} has {got} bytes, "
+                f"{MANIFEST_FILE} says {want['size']})"
+            )
 
 
 def _local_reader(directory: str) -> Callable[[str], bytes]:
@@ -185,16 +223,25 @@ def load(directory: str) -> TrialState:
     return load_verified(directory, _local_reader(directory))
 
 
-def load_verified(where: str, read: Callable[[str], bytes]) -> TrialState:
-    return load_file(io.BytesIO(verify(where, read)[STATE_FILE]))
+def load_verified(where: str, read: Callable[[str], bytes], only: list[str] | None = None) -> TrialState:
+    """The state of the committed checkpoint at `where`, after checking every file against its
+    manifest (or only the files `only`, where the others were checked otherwise)."""
+    listed = manifest(where, read)
+    names = list(listed["files"]) if only is None else only
+    return load_file(io.BytesIO(check_contents(where, listed, read, names)[STATE_FILE]), where)
 
 
-def load_file(path_or_buffer) -> TrialState:
+def load_file(path_or_buffer, where: str = "") -> TrialState:
+    """The state in a state.pt; a sharded one's `shards` resolved against `where`, the URI of
+    its checkpoint folder."""
     payload = torch.load(path_or_buffer, weights_only=True, map_location="cpu")
     version = payload.pop("format", None)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"checkpoint format {version}, expected {FORMAT_VERSION}")
-    return TrialState(**payload)
+    if version not in (FORMAT_VERSION, SHARDED_FORMAT):
+        raise ValueError(f"checkpoint format {version}, expected {FORMAT_VERSION} or {SHARDED_FORMAT}")
+    state = TrialState(**payload)
+    if state.shards and where:
+        state.shards = "/".join([where.rstrip("/"), state.shards])
+    return state
 
 
 def step_of(directory: str) -> int:

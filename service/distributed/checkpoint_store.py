@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.tensor import DTensor
 
 from service.core import storage
 from service.core.ranking import rank
@@ -36,9 +37,13 @@ PARTIAL = ".partial-"
 
 class CheckpointStore:
     """Checkpoints of one trial under `trial_uri`, keeping `keep` best by `metric` (ranked by
-    `trial.rank`: on a tie the later step) + the latest."""
+    `trial.rank`: on a tie the later step) + the latest. Rank 0 alone saves (`every_rank`)."""
 
-    def __init__(self, trial_uri: str, keep: int, metric: str, mode: str):
+    every_rank = False
+    """Whether every rank of the trial calls `save` (a sharded checkpoint) or rank 0 alone."""
+
+    def __init__(self, trial_uri: str, keep: int, metric: str, mode: str, clean: bool = True):
+        """`clean`: remove what crashed saves left (the one process that saves, before it does)."""
         self.trial_uri, self.keep, self.metric, self.mode = trial_uri.rstrip("/"), keep, metric, mode
         self.fs, self.path = storage.split(self.trial_uri)
         self.local = isinstance(self.fs, LocalFileSystem)
@@ -47,7 +52,7 @@ class CheckpointStore:
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt-rm")
         self._deletions: list[Future] = []
         self.fs.makedirs(self.path, exist_ok=True)
-        for name in self._names():  # leftovers of a save that crashed: never selectable
+        for name in self._names() if clean else ():  # leftovers of a save that crashed: never selectable
             if name.startswith((PARTIAL, ".deleting-")):
                 self.fs.rm(posixpath.join(self.path, name), recursive=True)
 
@@ -157,6 +162,11 @@ def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
 
     def copy(v, key: tuple):
         nonlocal on_gpu
+        if isinstance(v, DTensor):  # a shard: its local part copied, the same placement
+            local = copy(v.to_local(), key)
+            return DTensor.from_local(
+                local, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+            )
         if isinstance(v, torch.Tensor):
             v = v.detach()
             if buffers is None:
@@ -180,6 +190,7 @@ def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
         _deep_copy_plain(state.history),
         dict(state.hparams),
         dict(state.scaler),
+        state.shards,
     )
     if on_gpu:
         torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
@@ -201,6 +212,7 @@ class AsyncCheckpointer:
 
     def __init__(self, store: CheckpointStore):
         self.store = store
+        self.every_rank = store.every_rank
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt")
         self._pending: Future | None = None
         self._lock = threading.Lock()
@@ -232,6 +244,7 @@ class SyncCheckpointer:
 
     def __init__(self, store: CheckpointStore):
         self.store = store
+        self.every_rank = store.every_rank
 
     def save(self, state: TrialState, metrics: dict) -> str:
         return self.store.save(state, metrics)

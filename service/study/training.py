@@ -48,8 +48,41 @@ class Scaling:
     rank works alone while the others wait in a collective: rank 0 writing an eval point's
     predictions, a slow first read of a rank's data."""
 
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How a multi-worker trial spreads its model. `ddp`: every worker holds the whole model,
+    its gradients and optimizer state, and gradients are all-reduced. `fsdp`: FSDP2 shards the
+    parameters, gradients and optimizer state over the workers (each holds about 1/N of them,
+    gathered unit by unit for forward and backward) and checkpoints are sharded, one file per
+    worker (docs/large-models.md)."""
+    shard_group_size: int | None = None
+    """fsdp only: the workers each parameter is sharded over; the trial's workers form
+    world_size / shard_group_size replicas of the sharded model (HSDP: a 2-D device mesh,
+    gradients reduce-scattered within a group and all-reduced across groups). Default: every
+    worker (plain FSDP). `workers_per_host` shards within each host and replicates across
+    hosts, so parameter gathers stay on a host's fast links."""
+
     def errors(self):
         yield from _positive(self, "num_hosts", "workers_per_host", "cpus_per_worker", "collective_timeout_s")
+        yield from _positive(self, "shard_group_size")
+        if self.strategy == "fsdp" and self.world_size == 1:
+            yield "strategy", "fsdp shards over a trial's workers, and this trial has 1 (use ddp)"
+        if self.shard_group_size is None or self.shard_group_size <= 0:
+            return
+        if self.strategy != "fsdp":
+            yield "shard_group_size", f"only applies to strategy: fsdp (strategy is {self.strategy})"
+        elif self.shard_group_size == 1:
+            yield "shard_group_size", "1 shards nothing: every worker would hold the whole model (use ddp)"
+        elif self.world_size % self.shard_group_size:
+            yield (
+                "shard_group_size",
+                f"must divide the trial's {self.world_size} workers (num_hosts * workers_per_host) "
+                f"into whole replicas (got {self.shard_group_size})",
+            )
+
+    @property
+    def resolved_shard_group_size(self) -> int:
+        """The workers each parameter is sharded over under fsdp (all of them by default)."""
+        return self.shard_group_size or self.world_size
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,8 @@
 """The checks of a Study across its sections (each section checks its own fields in its
 `errors()`): the study's name, round names and sources, hyperparameters the trainer would not
 read, schedule lengths every round leaves room for, batch sizes that split over the workers,
-ghost batch norm's virtual batches and microbatches. Each yields (dotted path, message)."""
+ghost batch norm's virtual batches and microbatches, what fsdp cannot train. Each yields
+(dotted path, message)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def study_errors(study: Study):
     if study.training.ghost_batch_norm:
         yield from _ghost_batch_errors(study.training, study.scaling.world_size)
     yield from _microbatch_errors(study.training, study.scaling.world_size)
+    if study.scaling.strategy == "fsdp":
+        yield from _fsdp_errors(study)
 
 
 def _round_errors(study: Study):
@@ -239,3 +242,15 @@ def _ghost_batch_errors(training: Training, world: int):
 def _nearest(values: list[int], x: int) -> str:
     """The largest of `values` below x and the smallest above it."""
     return " or ".join(str(n) for n in [n for n in values if n < x][-1:] + [n for n in values if n > x][:1])
+
+
+def _fsdp_errors(study: Study):
+    """What `scaling.strategy: fsdp` cannot train (yet): fp16's loss scaling (its skipped steps
+    would need every shard's overflow agreed; bf16 needs none), a compiled model, and a pool
+    of reused workers (their checkpoints are kept by rank 0 alone)."""
+    if study.training.precision == "fp16":
+        yield "training.precision", "fp16 is not supported with scaling.strategy: fsdp (use bf16)"
+    if study.training.compile:
+        yield "training.compile", "not supported with scaling.strategy: fsdp"
+    if study.scaling.reuse_workers:
+        yield "scaling.reuse_workers", "not supported with scaling.strategy: fsdp"

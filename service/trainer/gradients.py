@@ -19,6 +19,9 @@ What a user of torch sees is unchanged, bit for bit:
   before their norm is taken, so every step's norm is the buffer's (a resumed run logs the
   same norms as an uninterrupted one, bit for bit);
 - a gradient something else put in `.grad` (a hook) is normed where it is.
+Under FSDP the parameters and their gradients are this rank's shards (DTensors): the global
+norm is torch's over the shards, reduced over every rank, and clipping scales each shard by the
+same factor, so the norm and the clipped update are those of the whole model.
 Torch's own gradients are kept on CUDA (freed between steps: peak memory), with several ranks
 (DDP hands an undefined gradient on as a defined zero once `.grad` exists) and with the
 workload's own optimizer (which may keep a `.grad` from one step to the next without a copy).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 FOREACH_DEVICES = ("cpu", "cuda")
 
@@ -41,10 +45,12 @@ class Gradients:
     def __init__(self, model: nn.Module, buffer: bool = True):
         """`buffer`: keep the gradients in one buffer where it can (see the module docstring)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        """FSDP's shards: every norm is taken over all ranks' shards (a collective)."""
         kinds = {(p.device, p.dtype) for p in self.params}
         self.fused = len(kinds) == 1 and next(iter(kinds))[0].type in FOREACH_DEVICES
         self.flat, self.grads, self.versions = None, [], []
-        self.pending = buffer and self.fused and self.params[0].device.type == "cpu"
+        self.pending = buffer and self.fused and not self.sharded and self.params[0].device.type == "cpu"
         """The buffer is still to be made, after the first step shows the gradients are dense."""
         self.intact = False  # every set gradient is in the buffer (after `settle`)
 
@@ -101,6 +107,8 @@ class Gradients:
         trainable parameters share one device and dtype (almost always) this does the same
         arithmetic in three."""
         grads = [p.grad for p in self.params if p.grad is not None]
+        if self.sharded:  # torch's norm of the local shards, reduced over the shard groups
+            return _full(torch.nn.utils.get_total_norm(grads))
         if not grads or not self.fused:
             return torch.nn.utils.get_total_norm(grads)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -111,6 +119,10 @@ class Gradients:
         total = self.exact_norm()
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
         return total
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:

@@ -19,7 +19,7 @@ from service.core.trial_status import TrialStatus
 from service.data import files
 from service.data.loader import Batch, TrainStream, eval_batches
 from service.data.prefetch import prefetch_stream
-from service.distributed import checkpoint, topology_record
+from service.distributed import checkpoint, sharded, sharding, topology_record
 from service.distributed.checkpoint import TrialState
 from service.distributed.rank0 import Rank0
 from service.distributed.topology import Topology, init_seed
@@ -55,9 +55,13 @@ def local_batches(depth: int, pin: bool = False) -> BatchSource:
 
 
 class Checkpointer(Protocol):
-    """Where rank 0's checkpoints go when the caller keeps them itself (no Ray Train): see
-    `distributed.checkpoint_store`. Without one, each checkpoint is written to a temporary
-    directory and handed to `Reporter.report` (Ray Train persists and retains it)."""
+    """Where the checkpoints go when the caller keeps them itself (no Ray Train): see
+    `distributed.checkpoint_store` and, for a sharded model, `distributed.sharded`. Without
+    one, each checkpoint is written to a temporary directory and handed to `Reporter.report`
+    (Ray Train persists and retains it)."""
+
+    every_rank: bool
+    """Every rank saves (its shards) and closes; otherwise rank 0 alone."""
 
     def save(self, state: TrialState, metrics: dict) -> str:
         """Save (or start saving) `state`; returns its URI."""
@@ -79,7 +83,7 @@ def train(
         return _train(plan, topo, reporter, device, batch_source, checkpointer)
     finally:
         if checkpointer is not None:
-            Rank0(topo).run(checkpointer.close)
+            on_its_ranks(checkpointer, Rank0(topo), checkpointer.close)
 
 
 def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_source, checkpointer) -> dict:
@@ -87,6 +91,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
     plan), 3. restore the latest checkpoint, then 4. train step by step, stopping at 5. each
     eval point to evaluate, checkpoint and report."""
     ctx = set_up(plan, topo, device or torch.device("cpu"))
+    assert checkpointer is not None or not sharding.is_sharded(ctx.model), "shards need a Checkpointer"
     progress = restore(ctx, reporter)
     record_topology(ctx, progress.step)
     pin = torch.device(ctx.device).type == "cuda"  # pinned host batches: non_blocking copies really are
@@ -115,9 +120,11 @@ def restore(ctx: TrialContext, reporter: Reporter) -> Progress:
     the latest checkpoint; a fresh start without one."""
     topo = ctx.topo
     state = reporter.restore() or TrialState()
-    if state.model:
-        ctx.model.load_state_dict(state.model)
-        ctx.optimizer.load_state_dict(state.optimizer)
+    if state.model or state.shards:
+        if state.shards:  # this rank's part of a sharded checkpoint, whoever wrote it
+            sharded.load_shards(state, ctx.model, ctx.optimizer)
+        else:
+            sharding.load_state_dicts(ctx.model, ctx.optimizer, state.model, state.optimizer)
         ctx.precision.load_state_dict(state.scaler)
         if len(state.rng_states) == topo.world_size:
             rng.restore(state.rng_states[topo.world_rank])
@@ -253,17 +260,18 @@ def checkpoint_and_report(
         "best_metric": best[tr.metric],
     }
     rng_states = topology_record.gather(rng.capture())  # every rank's generators, by world rank
+    model_state, optimizer_state = sharding.state_dicts(ctx.model, ctx.optimizer)  # a shard's, under fsdp
     state = TrialState(
         step,
-        ctx.model.state_dict(),
-        ctx.optimizer.state_dict(),
+        model_state,
+        optimizer_state,
         rng_states,
         history,
         dict(ctx.plan.hparams),
         ctx.precision.state_dict(),
     )
     if checkpointer is not None:
-        ctx.rank0.run(checkpointer.save, state, report)
+        on_its_ranks(checkpointer, ctx.rank0, checkpointer.save, state, report)
         ctx.rank0.run(ctx.metrics_log.write, history)
         reporter.report(report, None)
     else:
@@ -271,6 +279,11 @@ def checkpoint_and_report(
             saved = ctx.rank0.run(save_checkpoint, state, tmp, report)
             ctx.rank0.run(ctx.metrics_log.write, history)
             reporter.report(report, saved)
+
+
+def on_its_ranks(checkpointer: Checkpointer, rank0: Rank0, fn: Callable, *args):
+    """Call a checkpointer's method where it runs: every rank for sharded checkpoints, else rank 0."""
+    return fn(*args) if checkpointer.every_rank else rank0.run(fn, *args)
 
 
 def summary(ctx: TrialContext, progress: Progress) -> dict:

@@ -19,10 +19,12 @@ class Precision:
     """What a precision changes in a step: the autocast context, the backward pass, the
     unscale before clipping and the update."""
 
-    def __init__(self, name: str, device):
+    def __init__(self, name: str, device, autocast: bool = True):
+        """`autocast` False: the model computes in the precision's dtype itself (FSDP's
+        mixed-precision policy gathers its parameters in it), so no autocast is entered."""
         self.name = name
         self.device_type = torch.device(device).type
-        self.dtype = DTYPES.get(name)
+        self.dtype = DTYPES.get(name) if autocast else None
         self.scaler = (
             torch.amp.GradScaler(self.device_type, init_scale=INIT_SCALE) if name == "fp16" else None
         )

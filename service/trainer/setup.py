@@ -16,7 +16,7 @@ from service.data.files import list_files
 from service.data.input_timer import InputTimer
 from service.data.loader import TrainStream, unused_columns
 from service.data.sharding import RowRange, row_ranges, train_shard
-from service.distributed import topology_record
+from service.distributed import sharding, topology_record
 from service.distributed.rank0 import Rank0
 from service.distributed.topology import Topology, data_seed, init_seed
 from service.evaluation.sampling import EvalSample, plan_sample, sample_of
@@ -28,7 +28,7 @@ from service.trainer import rng
 from service.trainer.gradients import Gradients
 from service.trainer.metrics_log import MetricsLog
 from service.trainer.optimizers import workload_optimizer
-from service.trainer.precision import Precision
+from service.trainer.precision import DTYPES, Precision
 from service.trainer.tally import StepTally, distributed
 from service.workloads.base import Workload
 
@@ -63,7 +63,7 @@ class TrialContext:
     rank0: Rank0
     max_steps: int
     model: nn.Module
-    ddp: nn.Module  # the model, wrapped in DistributedDataParallel on more than one rank
+    trained: nn.Module  # the model as trained: in DDP, or the model (FSDP shards it in place)
     optimizer: torch.optim.Optimizer
     init_params: str  # the initial weights' sha256 (the topology record)
     data_seed: int
@@ -90,7 +90,7 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
     and eval plan; the loop's instruments (loss tally, input timer, metrics log)."""
     study, tr = plan.study, plan.study.training
     workload = workloads.get(study.workload)
-    model, ddp, optimizer, init_params = build_model(plan, topo, workload, device)
+    model, trained, optimizer, init_params = build_model(plan, topo, workload, device)
     # Per-rank randomness (dropout, augmentation: torch, numpy or `random`) from the data seed.
     rng.seed_all(data_seed(plan.trial_seed, topo.host_rank, topo.local_rank))
 
@@ -107,7 +107,7 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         rank0=Rank0(topo),
         max_steps=plan.max_train_steps or tr.max_train_steps,
         model=model,
-        ddp=ddp,
+        trained=trained,
         optimizer=optimizer,
         init_params=init_params,
         data_seed=my_data_seed,
@@ -120,8 +120,8 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         timer=InputTimer(),
         sync_debug=step_sync_debug(study.input, device),
         clip_norm=clip_norm(plan.hparams),
-        gradients=Gradients(model, buffer=ddp is model and tr.optimizer != "workload"),
-        precision=Precision(tr.precision, device),
+        gradients=Gradients(model, buffer=not distributed() and tr.optimizer != "workload"),
+        precision=Precision(tr.precision, device, autocast=not sharding.is_sharded(model)),
         microbatch_size=tr.microbatch_size,
     )
 
@@ -158,9 +158,20 @@ def build_model(plan: TrialPlan, topo: Topology, workload, device):
     init_params = topology_record.params_sha256(model)
     if tr.compile:  # in place: the module (its state_dict keys, the checkpoint) is the same one
         model.compile(backend=COMPILE_BACKEND)
-    ddp = wrap_ddp(model, device) if distributed() else model
-    optimizer = workload_optimizer(tr.optimizer, workload, model, plan.hparams)
-    return model, ddp, optimizer, init_params
+    trained = spread(model, plan.study, workload, device) if distributed() else model
+    optimizer = workload_optimizer(tr.optimizer, workload, model, plan.hparams)  # over the shards under fsdp
+    return model, trained, optimizer, init_params
+
+
+def spread(model: nn.Module, study, workload, device) -> nn.Module:
+    """The model over the trial's workers as `scaling.strategy` says: DDP replicas, or FSDP2
+    shards of the workload's units (in place; bf16 parameters in forward and backward under
+    `training.precision: bf16`)."""
+    if study.scaling.strategy == "ddp":
+        return wrap_ddp(model, device)
+    mesh = sharding.device_mesh(device, study.scaling.resolved_shard_group_size)
+    param_dtype = DTYPES.get(study.training.precision)
+    return sharding.shard_model(model, workload.shard_units(model), mesh, param_dtype)
 
 
 def wrap_ddp(model: nn.Module, device) -> nn.Module:

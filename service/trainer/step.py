@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import torch
 
 from service.data.loader import Batch
+from service.distributed.sharding import no_gradient_sync
 from service.trainer.profiling import StepProfiler
 from service.trainer.setup import Progress, TrialContext
-from service.trainer.tally import distributed
 
 
 def train_step(
@@ -58,16 +58,16 @@ def microbatches(batch: Batch, size: int | None) -> list[Batch]:
 def forward_backward(ctx: TrialContext, batch: Batch) -> torch.Tensor:
     """The gradients of the batch's mean loss, accumulated over its microbatches: each
     microbatch's mean loss times its share of the batch (`microbatch_shares`), so that the sum
-    is the batch's mean. DDP skips its all-reduce on every microbatch but the last (`no_sync`).
+    is the batch's mean. DDP and FSDP reduce the gradients only on the last microbatch (`no_gradient_sync`).
     Returns the batch's mean loss, detached, on the device."""
     parts = microbatches(batch, ctx.microbatch_size)
     shares = microbatch_shares(ctx.workload, batch, parts)
     total = None
     for i, (part, share) in enumerate(zip(parts, shares, strict=True)):
         last = i == len(parts) - 1
-        with contextlib.nullcontext() if last or not distributed() else ctx.ddp.no_sync():
+        with contextlib.nullcontext() if last else no_gradient_sync(ctx.trained):
             with ctx.precision.autocast():
-                loss = ctx.workload.loss(ctx.workload.forward(ctx.ddp, part), part).mean()
+                loss = ctx.workload.loss(ctx.workload.forward(ctx.trained, part), part).mean()
             if share is not None:
                 loss = loss * share
             ctx.precision.backward(loss)

@@ -112,6 +112,15 @@ class Workload(abc.ABC):
         group of every parameter (`no_weight_decay_groups` keeps norms and biases from decay)."""
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """With `scaling.strategy: fsdp`: the model's sharding units, each gathered whole for its
+        own forward and backward and freed after (FSDP2's `fully_shard`, applied by the service to
+        each unit, then to the model for the parameters of no unit). Units must not share a
+        parameter with anything outside them. Typically a transformer's blocks; peak memory is
+        about the largest unit's full parameters plus every unit's shard. Default: one unit
+        per top-level child (`top_level_units`)."""
+        return top_level_units(model)
+
     def optimizer(
         self, param_groups: list[dict[str, Any]], hparams: dict[str, Any]
     ) -> torch.optim.Optimizer | None:
@@ -121,6 +130,22 @@ class Workload(abc.ABC):
         service rebuilds it with each one changed and refuses it when nothing changes); the
         schedule sets every group's `lr` at each step. Default: None (none of its own)."""
         return None
+
+
+def top_level_units(model: nn.Module) -> list[nn.Module]:
+    """The model's top-level children that hold parameters, a ModuleList's or ModuleDict's
+    children in its place (a container without a forward of its own is never called, so it
+    cannot gather anything). A child sharing a parameter with another one (tied weights) is
+    left to the root unit."""
+    children = []
+    for child in model.children():
+        inner = child.children() if isinstance(child, nn.ModuleList | nn.ModuleDict) else [child]
+        children += [m for m in inner if any(True for _ in m.parameters())]
+    owners: dict[int, int] = {}
+    for m in children:
+        for p in m.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [m for m in children if all(owners[id(p)] == 1 for p in m.parameters())]
 
 
 def no_weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:

@@ -124,6 +124,11 @@ class LanguageModel(Workload):
             bool(hp["tie_embeddings"]),
         )
 
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """Under fsdp, each transformer block is a unit; the embeddings, the final norm and
+        the head (tied to the token embedding) are the root's."""
+        return list(model.blocks)
+
     def to_batch(self, table: pa.Table) -> dict[str, torch.Tensor]:
         """`tokens` [rows, seq_len + 1] (context, then the target bytes), `label` and `weight`
         the number of real targets."""

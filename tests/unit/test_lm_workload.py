@@ -127,7 +127,9 @@ def test_microbatches_count_by_their_real_tokens(corpus):
     )
     batch = workload.to_batch(table.take([r["example_id"] for r in rows]))
     model = model_of().train()
-    ctx = SimpleNamespace(workload=workload, ddp=model, precision=Precision("fp32", "cpu"), microbatch_size=2)
+    ctx = SimpleNamespace(
+        workload=workload, trained=model, precision=Precision("fp32", "cpu"), microbatch_size=2
+    )
     loss = forward_backward(ctx, batch)
     stepped = {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -1,0 +1,196 @@
+"""Sharded checkpoints: a trial whose model is sharded over its ranks (FSDP) checkpoints with
+`torch.distributed.checkpoint` (DCP). The playbook's "only rank 0 checkpoints" becomes:
+
+1. every rank writes its own shards of the model and optimizer, in parallel, into the
+   checkpoint's `model/` folder (DCP's `__<rank>_<n>.distcp` files; rank 0 also DCP's
+   `.metadata`), and the size and CRC-32 of what it wrote;
+2. rank 0 alone then writes state.pt (step, every rank's RNG, history, hyperparameters: what is
+   not sharded) and meta.json, and commits the checkpoint with the manifest of every rank's
+   files (`distributed.checkpoint`): the ranks' entries reach it through a gather, which every
+   rank enters only once its own files are durable (DCP syncs them), so a committed checkpoint
+   never lacks a shard;
+3. rank 0 alone prunes (`CheckpointStore`'s retention, the same best N + latest).
+
+On a local filesystem the ranks write into one hidden `.partial-*` folder that rank 0 renames
+into place; on an object store each rank writes locally and uploads its files, and the manifest,
+uploaded last, commits. A superseded attempt writes nothing (`distributed.fence`: every rank
+holds the attempt rank 0 claimed).
+
+Loading verifies before anything is read into the model: every rank checks that each listed
+file exists with its size, and reads a share of the files to check their CRC-32; the ranks
+agree, so a missing, truncated or damaged shard stops every rank with the same one-line
+`CheckpointError` naming the file. DCP then reads each rank's part of every tensor, whatever the
+number of ranks that wrote it (resharding), into the live model and optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import tempfile
+import uuid
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
+from service.core import storage
+from service.core.errors import CheckpointError
+from service.distributed import checkpoint, fence, sharding
+from service.distributed.checkpoint import MANIFEST_FILE, META_FILE, STATE_FILE, TrialState
+from service.distributed.checkpoint_store import PARTIAL, CheckpointStore
+from service.study.layout import checkpoint_name
+
+SHARDS_DIR = "model"
+"""The folder of a sharded checkpoint that holds the DCP files."""
+DCP_METADATA = ".metadata"
+
+
+class ShardedCheckpointStore(CheckpointStore):
+    """A trial's sharded checkpoints under `trial_uri`: every rank makes one (at the same point)
+    and calls `save` and `latest_state`. Their collectives run on a gloo group of their own, so
+    that a save on a background thread (`AsyncCheckpointer`) never interleaves with the
+    training's collectives, and CPU copies of GPU shards need no device."""
+
+    every_rank = True
+
+    def __init__(self, trial_uri: str, keep: int, metric: str, mode: str, rank: int):
+        super().__init__(trial_uri, keep, metric, mode, clean=rank == 0)
+        self.rank = rank
+        self.group = dist.new_group(backend="gloo")
+
+    def save(self, state: TrialState, metrics: dict) -> str:
+        """Write every rank's shards of `state.model` / `state.optimizer` (this rank's part of
+        `state_dicts`), then rank 0 commits and prunes. Returns the checkpoint's URI."""
+        uri = self.uri(state.step)
+        fence.check(uri)
+        name = checkpoint_name(state.step)
+        tag = _broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None, self.group)
+        if self.local:
+            folder = posixpath.join(self.path, f"{PARTIAL}{name}-{tag}")
+            entries = self._write_shards(state, folder)
+        else:
+            with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+                entries = self._write_shards(state, tmp)
+                fence.check(uri)
+                for relative in entries:
+                    self.fs.put_file(os.path.join(tmp, relative), f"{self.path}/{name}/{relative}")
+            folder = None
+        everyone = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, entries, group=self.group)
+        if self.rank == 0:
+            self._commit(state, metrics, name, folder, {k: v for e in everyone for k, v in e.items()})
+            self._retain()
+        return uri
+
+    def _write_shards(self, state: TrialState, folder: str) -> dict[str, dict]:
+        """This rank's DCP files in `folder/model/`: {path relative to folder: size and CRC-32}."""
+        shards = os.path.join(folder, SHARDS_DIR)
+        os.makedirs(shards, exist_ok=True)
+        dcp.save(
+            {"model": state.model, "optimizer": state.optimizer},
+            storage_writer=FileSystemWriter(shards),
+            process_group=self.group,
+        )
+        mine = [n for n in os.listdir(shards) if n.startswith(f"__{self.rank}_")]
+        if self.rank == 0:
+            mine.append(DCP_METADATA)
+        return {f"{SHARDS_DIR}/{n}": _file_entry(os.path.join(shards, n)) for n in sorted(mine)}
+
+    def _commit(self, state: TrialState, metrics: dict, name: str, folder: str | None, shards: dict) -> None:
+        """Rank 0: state.pt (without model and optimizer) and meta.json, then the manifest of
+        them and every rank's shards, which commits the checkpoint."""
+        rest = TrialState(
+            state.step, {}, {}, state.rng_states, state.history, state.hparams, state.scaler, SHARDS_DIR
+        )
+        final = posixpath.join(self.path, name)
+        with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+            staging = folder or tmp
+            files = {**shards, STATE_FILE: checkpoint.save_state(rest, staging)}
+            meta = json.dumps({"step": state.step, "metrics": metrics}).encode()
+            checkpoint.write_atomic(staging, META_FILE, meta)
+            files[META_FILE] = checkpoint.entry(meta)
+            checkpoint.commit(staging, files)
+            fence.check(self.uri(state.step))  # a stale attempt commits nothing
+            if folder is not None:  # local: the whole folder appears at once
+                if os.path.exists(final):  # a re-save of the same step after a resume
+                    self._delete(name)
+                os.rename(folder, final)
+                return
+            for part in (STATE_FILE, META_FILE, MANIFEST_FILE):  # the manifest last: it commits
+                self.fs.put_file(os.path.join(tmp, part), f"{final}/{part}")
+
+    def latest_state(self) -> TrialState | None:
+        """The newest checkpoint that verifies on every rank (older ones are tried when the
+        newest is torn), as rank 0 lists them; None before the first."""
+        listed = _broadcast([u for u, _ in self.complete()] if self.rank == 0 else None, self.group)
+        for uri in reversed(listed):
+            try:
+                return load_state(uri, self.rank, dist.get_world_size(self.group), self.group)
+            except CheckpointError as e:
+                if self.rank == 0:
+                    print(f"warning: {e}; resuming from an older checkpoint", flush=True)
+        return None
+
+
+def _broadcast(value, group):
+    """Rank 0's `value` on every rank of `group`."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _file_entry(path: str) -> dict:
+    with open(path, "rb") as f:
+        return checkpoint.entry(f.read())
+
+
+def load_state(uri: str, rank: int = 0, world: int = 1, group=None) -> TrialState:
+    """The state of the committed checkpoint at `uri` (whole or sharded) after every rank has
+    verified its share of the files and they all agree; a sharded one's model and optimizer
+    are read with `load_shards`."""
+    read = _reader_of(uri)
+    error = None
+    try:
+        listed = checkpoint.manifest(uri, read)
+        checkpoint.check_sizes(uri, listed, lambda name: storage.size(storage.join(uri, name)))
+        names = sorted(n for n in listed["files"] if n != STATE_FILE)  # state.pt: every rank reads it
+        checkpoint.check_contents(uri, listed, read, names[rank::world])
+    except CheckpointError as e:
+        error = str(e)
+    errors = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+    return checkpoint.load_verified(uri, read, only=[STATE_FILE])
+
+
+def _reader_of(uri: str):
+    return lambda name: storage.read_bytes(storage.join(uri, name))
+
+
+def load_shards(state: TrialState, model, optimizer=None) -> None:
+    """Read a sharded checkpoint's model (and optimizer) into the live ones: this rank's shards
+    of a sharded model, or the whole of a plain one in a single process (`playbook eval` on one
+    worker, `playbook export`)."""
+    model_sd, optim_sd = sharding.state_dicts(model, optimizer)
+    target = {"model": model_sd, **({"optimizer": optim_sd} if optimizer is not None else {})}
+    dcp.load(target, storage_reader=_dcp_reader(state.shards), no_dist=not sharding.is_sharded(model))
+    sharding.load_state_dicts(model, optimizer, target["model"], target.get("optimizer", {}))
+
+
+def _dcp_reader(uri: str) -> FileSystemReader:
+    """DCP's reader over the service's storage (any fsspec URI, gs:// included)."""
+    fs, path = storage.split(uri)
+    if isinstance(fs, LocalFileSystem):
+        return FileSystemReader(path)
+    reader = FileSystemReader(path)
+    reader.fs = FsspecFileSystem()
+    reader.fs.fs = fs
+    return reader

@@ -1,0 +1,104 @@
+"""How a multi-worker trial spreads its model (`scaling.strategy`), in one place: DDP's whole
+replicas, or FSDP2's shards (`fully_shard` applied to each of the workload's units, then to the
+root; HSDP over a 2-D device mesh with `scaling.shard_group_size`). The model file never
+mentions either: the workload only names its units (`Workload.shard_units`).
+
+Also what differs between them for the rest of the trial: turning the gradient reduction off
+for all but a step's last microbatch, and the state dicts a checkpoint saves and loads (whole
+for DDP; for FSDP each rank's shards, keyed by parameter name, as `torch.distributed.checkpoint`
+writes and reshards them)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+MESH_DIMS = ("replicate", "shard")
+
+
+def device_mesh(device, shard_group_size: int | None = None) -> DeviceMesh:
+    """Every rank of the default process group, as a 1-D mesh (FSDP) or, with a shard group
+    smaller than the world, as (replicas, shard_group_size) with consecutive ranks in a group
+    (HSDP: a host's workers hold consecutive world ranks, `topology.placement`)."""
+    world = dist.get_world_size()
+    device_type = torch.device(device).type
+    if shard_group_size is None or shard_group_size == world:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(
+        device_type, (world // shard_group_size, shard_group_size), mesh_dim_names=MESH_DIMS
+    )
+
+
+def shard_model(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, param_dtype=None) -> nn.Module:
+    """FSDP2 over `mesh`: each unit sharded on its own, then the root (the parameters of no
+    unit), in place. `param_dtype` (bf16): parameters gathered in that dtype for forward and
+    backward, gradients reduced in float32; the sharded parameters and the optimizer state
+    stay float32."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
+    )
+    for unit in units:
+        if unit is model:
+            continue
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(trained: nn.Module):
+    """Backward passes inside accumulate each rank's gradients without reducing them (the
+    step's last microbatch, outside, reduces the sum): DDP's `no_sync`, FSDP's
+    `set_requires_gradient_sync(False)`."""
+    if is_sharded(trained):
+        trained.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            trained.set_requires_gradient_sync(True)
+    elif isinstance(trained, nn.parallel.DistributedDataParallel):
+        with trained.no_sync():
+            yield
+    else:
+        yield
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts to checkpoint: torch's own for a whole model; for a
+    sharded one this rank's shards (DTensors) keyed by parameter name. Without an optimizer,
+    the model's alone (and an empty one)."""
+    if not is_sharded(model):
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else {}
+    if optimizer is None:
+        return get_model_state_dict(model), {}
+    return get_state_dict(model, optimizer)
+
+
+def load_state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict, optim_sd: dict
+) -> None:
+    """The inverse of `state_dicts` (for a sharded model: its shards, as `state_dicts` made
+    them, filled by `torch.distributed.checkpoint.load`)."""
+    if not is_sharded(model):
+        model.load_state_dict(model_sd)
+        if optimizer is not None:
+            optimizer.load_state_dict(optim_sd)
+    elif optimizer is None:
+        set_model_state_dict(model, model_sd)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

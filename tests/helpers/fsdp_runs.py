@@ -1,0 +1,99 @@
+"""Running the trainer loop on every rank of a gloo group with the `lm` workload under
+`scaling.strategy` ddp or fsdp, its checkpoints kept in a store (sharded under fsdp), as the
+Ray edge runs a multi-worker trial."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.distributed.sharded import ShardedCheckpointStore
+from service.distributed.topology import Topology
+from service.planning.trial import TrialPlan
+from service.study import spec
+
+SEQ_LEN = 24
+LM_HPARAMS = {"learning_rate": 0.003, "depth": 2, "width": 30, "heads": 2, "context": SEQ_LEN}
+"""Width 30 over 2 or 4 ranks: the embeddings' 257 rows and most dimensions do not divide."""
+
+
+class Interrupted(Exception):
+    """Raised by `StoreReporter` after a given report (a killed worker group)."""
+
+
+def lm_plan(
+    data_dir, storage, strategy="fsdp", workers=2, hparams=None, scaling=None, **training
+) -> TrialPlan:
+    tr = {
+        "max_train_steps": 12,
+        "batch_size": 8,
+        "eval_batch_size": 12,
+        "eval_every_steps": 4,
+        "metric": "validation/loss",
+        "optimizer": "adamw",
+        "schedule": {"kind": "cosine", "warmup_steps": 2},
+        "num_checkpoints_to_keep": 2,
+    }
+    tr.update(training)
+    study = spec.load_dict(
+        {
+            "name": "fsdp",
+            "workload": "lm",
+            "data": {s: str(pathlib.Path(data_dir) / s) for s in ("train", "validation")},
+            "storage": str(storage),
+            "scaling": {"workers_per_host": workers, "strategy": strategy, **(scaling or {})},
+            "training": tr,
+            "search": {"learning_rate": {"role": "fixed", "value": 0.003}},
+            "rounds": [{"name": "r1", "num_trials": 1}],
+        }
+    )
+    return TrialPlan(study, "r1-0", "r1", dict(hparams or LM_HPARAMS))
+
+
+class StoreReporter:
+    """Records every report; resumes from the trial's store (every rank), as the Ray edge does."""
+
+    def __init__(self, store, stop_after: int | None = None):
+        self.store, self.stop_after, self.metrics = store, stop_after, []
+
+    def report(self, metrics, checkpoint_dir):
+        self.metrics.append(copy.deepcopy(metrics))
+        if self.stop_after is not None and len(self.metrics) == self.stop_after:
+            raise Interrupted
+
+    def restore(self):
+        return self.store.latest_state()
+
+
+def trial_store(plan: TrialPlan, rank: int):
+    tr = plan.study.training
+    if plan.study.scaling.strategy == "fsdp":
+        return ShardedCheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, rank)
+    return CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, clean=rank == 0)
+
+
+def train_rank(
+    rank: int, world: int, plan: TrialPlan, stop_after: int | None = None, async_save=False
+) -> dict:
+    """The trial on this rank of a gloo group (hosts x workers as the plan's scaling says);
+    returns its reports (or those before the interruption)."""
+    from service.trainer.loop import train
+
+    s = plan.study.scaling
+    topo = Topology(
+        world_rank=rank,
+        world_size=world,
+        host_rank=rank // s.workers_per_host,
+        num_hosts=world // s.workers_per_host,
+        local_rank=rank % s.workers_per_host,
+        workers_per_host=s.workers_per_host,
+    )
+    store = trial_store(plan, rank)
+    reporter = StoreReporter(store, stop_after)
+    saver = AsyncCheckpointer(store) if async_save else SyncCheckpointer(store)
+    try:
+        train(plan, topo, reporter, checkpointer=saver)
+    except Interrupted:
+        pass
+    return {"metrics": reporter.metrics}
