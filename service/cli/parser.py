@@ -7,12 +7,13 @@ import argparse
 
 from service.cli.data import cmd_data, cmd_preprocess
 from service.cli.probes import cmd_find_batch_size, cmd_find_steps
-from service.cli.results import cmd_eval, cmd_report, cmd_status, cmd_studies
+from service.cli.results import cmd_eval, cmd_export, cmd_report, cmd_status, cmd_studies
 from service.cli.run import DEMO_STUDY, cmd_demo, cmd_run, cmd_validate
 from service.data.make import DATASETS
 
 DESCRIPTION = (
-    "`playbook`: run | validate | status | report | studies | eval | find-steps | find-batch-size |\n"
+    "`playbook`: run | validate | status | report | studies | eval | export | find-steps |\n"
+    "find-batch-size | "
     "data | demo."
 )
 
@@ -64,7 +65,16 @@ def add_result_commands(sub) -> None:
     c = sub.add_parser("eval", help="evaluate a saved checkpoint on a whole split, on the cluster")
     c.add_argument("checkpoint_uri")
     c.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    c.add_argument(
+        "--num-workers", type=int, help="evaluate on this many workers (default: the study's layout)"
+    )
     c.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("export", help="a checkpoint's model as one file that plain PyTorch loads")
+    c.add_argument("checkpoint_uri")
+    c.add_argument("--out", required=True, help="the file to write (any storage URI)")
+    c.add_argument("--format", default="torch", choices=["torch", "safetensors"])
+    c.set_defaults(func=cmd_export)
 
 
 def add_probe_commands(sub) -> None:

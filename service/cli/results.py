@@ -125,13 +125,37 @@ def cmd_eval(args) -> int:
     uri = checked_checkpoint(args.checkpoint_uri)
     study = stored_study(locate(uri)[0])
     split_uri(study, args.split)  # the split exists
+    if args.num_workers is not None and args.num_workers < 1:
+        raise SpecError(f"--num-workers: must be >= 1 (got {args.num_workers})")
     # The workload is imported as `playbook run` imported it (and from here).
     paths = [*(provenance.read(locate(uri)[0]) or {}).get("import_path", []), os.path.abspath(os.getcwd())]
     workloads.use_import_path(paths)
     connect_ray(paths)
-    run_offline_eval(uri, args.split, study)
+    run_offline_eval(uri, args.split, study, args.num_workers)
     print_eval_metrics(json.loads(storage.read_bytes(metrics_uri(uri, args.split))), args.split)
     print(f"metrics and predictions: {output_uri(uri, args.split)}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """The checkpoint's model as one file (consolidated from its shards when it is sharded)."""
+    from service import workloads
+    from service.core import storage
+    from service.distributed import export, sharded
+    from service.evaluation.offline import locate, restored_model, stored_study
+    from service.tracking import provenance
+
+    uri = checked_checkpoint(args.checkpoint_uri)
+    study_uri = locate(uri)[0]
+    study = stored_study(study_uri)
+    workloads.use_import_path([*(provenance.read(study_uri) or {}).get("import_path", []), os.getcwd()])
+    state = sharded.load_state(uri)
+    model = restored_model(study, workloads.get(study.workload), state, "cpu")
+    metadata = {"checkpoint": uri, "step": str(state.step), "workload": study.workload}
+    storage.write_bytes_atomic(
+        storage.absolute(args.out), export.to_bytes(model.state_dict(), args.format, metadata)
+    )
+    print(f"{args.format} state dict of {study.workload} at step {state.step}: {args.out}")
     return 0
 
 

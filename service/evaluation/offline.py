@@ -7,6 +7,8 @@ from __future__ import annotations
 import posixpath
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from service import workloads
 from service.core import storage
@@ -14,7 +16,8 @@ from service.core.errors import DataError, StorageError
 from service.data.files import list_files
 from service.data.loader import eval_batches
 from service.data.sharding import row_ranges
-from service.distributed import checkpoint
+from service.distributed import sharded, sharding
+from service.distributed.checkpoint import TrialState
 from service.distributed.rank0 import Rank0
 from service.distributed.topology import Topology
 from service.evaluation import predictions as prediction_files
@@ -55,6 +58,22 @@ def _name(checkpoint_uri: str) -> str:
     return posixpath.basename(checkpoint_uri.rstrip("/"))
 
 
+def restored_model(study: spec.Study, workload, state: TrialState, device) -> nn.Module:
+    """The checkpoint's model on `device`: whole, or for a sharded checkpoint on several ranks
+    sharded over all of them as the trial sharded it (its units), each rank reading its part."""
+    model = workload.build_model(state.hparams)
+    if study.training.ghost_batch_norm:
+        convert_to_ghost(model, study.training.virtual_batch_size)
+    model.to(device)
+    if not state.shards:
+        model.load_state_dict(state.model)
+        return model
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sharding.shard_model(model, workload.shard_units(model), sharding.device_mesh(device))
+    sharded.load_shards(state, model)
+    return model
+
+
 def split_uri(study: spec.Study, split: str) -> str:
     uri = getattr(study.data, split, None)
     if not uri:
@@ -64,19 +83,14 @@ def split_uri(study: spec.Study, split: str) -> str:
 
 def evaluate_checkpoint(checkpoint_uri: str, split: str, topo: Topology, device=None) -> dict:
     """Run on every rank; rank 0 writes `metrics.json` and `predictions.parquet` and every rank
-    returns the metrics."""
+    returns the metrics. The ranks need not be the trial's: a sharded checkpoint is resharded
+    over them, or read whole by a single one."""
     device = device or torch.device("cpu")
     study_uri, _ = locate(checkpoint_uri)
     study = stored_study(study_uri)
-    state = checkpoint.load_verified(
-        checkpoint_uri, lambda name: storage.read_bytes(storage.join(checkpoint_uri, name))
-    )
+    state = sharded.load_state(checkpoint_uri, topo.world_rank, topo.world_size)
     workload = workloads.get(study.workload)
-    model = workload.build_model(state.hparams)
-    if study.training.ghost_batch_norm:
-        convert_to_ghost(model, study.training.virtual_batch_size)
-    model.load_state_dict(state.model)
-    model.to(device)
+    model = restored_model(study, workload, state, device)
     batch_size = study.training.resolved_eval_batch_size // study.scaling.world_size
     ranges = row_ranges(list_files(split_uri(study, split)), topo.world_rank, topo.world_size)
     log = PredictionLog.of(workload)

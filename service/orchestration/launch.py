@@ -4,6 +4,7 @@ of one worker takes the fast path instead (`fast_path`: the loop inside the Tune
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -25,6 +26,8 @@ from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.distributed import checkpoint, fence
 from service.distributed.checkpoint import TrialState
+from service.distributed.checkpoint_store import AsyncCheckpointer, SyncCheckpointer
+from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
@@ -157,6 +160,21 @@ def quiet_exit_on_sigterm() -> None:
     sys.unraisablehook = hook
 
 
+class ShardedReporter:
+    """`loop.Reporter` of a sharded trial on Ray Train: metrics to Ray Train (every rank: a
+    barrier); its checkpoints are kept by the trial's `ShardedCheckpointStore`, whose latest
+    one a restarted worker group resumes from."""
+
+    def __init__(self, store: ShardedCheckpointStore):
+        self.store = store
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        ray.train.report(metrics)
+
+    def restore(self) -> TrialState | None:
+        return self.store.latest_state()
+
+
 def train_worker(config: dict) -> None:
     import ray.train.torch
 
@@ -165,9 +183,30 @@ def train_worker(config: dict) -> None:
     quiet_exit_on_sigterm()
     plan: TrialPlan = config["plan"]
     topo = worker_topology()
-    attempt = fence.claim(plan.trial_uri) if topo.is_rank0 else None  # rank 0 claims for the group
-    reporter = RayTrainReporter(attempt)
-    loop.train(plan, topo, reporter, ray.train.torch.get_device(), batch_source(plan.study))
+    attempt = group_attempt(plan, topo)
+    device, source = ray.train.torch.get_device(), batch_source(plan.study)
+    if plan.study.scaling.strategy != "fsdp":
+        loop.train(plan, topo, RayTrainReporter(attempt if topo.is_rank0 else None), device, source)
+        return
+    store = sharded_store(plan, topo.world_rank)
+    saver = AsyncCheckpointer(store) if plan.study.training.async_checkpoint else SyncCheckpointer(store)
+    loop.train(plan, topo, ShardedReporter(store), device, source, checkpointer=saver)
+
+
+def group_attempt(plan: TrialPlan, topo: Topology) -> fence.Attempt:
+    """The worker group's attempt at the trial: claimed by rank 0 and held by every rank, so
+    that no rank of a superseded group writes into the trial folder (a sharded checkpoint's
+    shards are written by every rank)."""
+    box = [fence.claim(plan.trial_uri) if topo.is_rank0 else None]
+    if topo.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    fence.hold(box[0])
+    return box[0]
+
+
+def sharded_store(plan: TrialPlan, rank: int) -> ShardedCheckpointStore:
+    tr = plan.study.training
+    return ShardedCheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, rank)
 
 
 def batch_source(study: Study) -> loop.BatchSource | None:
@@ -265,6 +304,8 @@ def train_trial(plan: TrialPlan) -> dict:
 
         return kept_summary(plan, worker_pool.train_in_pool(plan, batch_source(plan.study)))
     result = trainer_for(plan, in_tune=True).fit()
+    if plan.study.scaling.strategy == "fsdp":  # its checkpoints were kept by its store, not Ray
+        return kept_summary(plan, fast_path.trial_store(plan).complete())
     prune_unregistered(plan, result)
     return summarize(plan, result)
 
@@ -362,7 +403,8 @@ def _uri(study: Study, path: str) -> str:
 def run_single(plan: TrialPlan):
     """One trial as a plain Ray Train run, outside Tune (whatever its world size)."""
     result = trainer_for(plan, in_tune=False).fit()
-    prune_unregistered(plan, result)
+    if plan.study.scaling.strategy != "fsdp":
+        prune_unregistered(plan, result)
     return result
 
 
@@ -377,11 +419,14 @@ def eval_worker(config: dict) -> None:
     )
 
 
-def run_offline_eval(checkpoint_uri: str, split: str, study: Study) -> None:
-    """`playbook eval`: the checkpoint on the whole split, over the study's worker layout."""
+def run_offline_eval(checkpoint_uri: str, split: str, study: Study, num_workers: int | None = None) -> None:
+    """`playbook eval`: the checkpoint on the whole split, over the study's worker layout or
+    over `num_workers` workers on any hosts (a sharded checkpoint is resharded over them)."""
     from service.evaluation.offline import locate
 
     scaling = study.scaling
+    if num_workers is not None:
+        scaling = dataclasses.replace(scaling, num_hosts=1, workers_per_host=num_workers)
     fs, path = storage.ray_storage(study.layout.evals_dir)
     from ray.train.torch import TorchTrainer
 

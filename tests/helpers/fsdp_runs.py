@@ -22,9 +22,21 @@ class Interrupted(Exception):
     """Raised by `StoreReporter` after a given report (a killed worker group)."""
 
 
-def lm_plan(
-    data_dir, storage, strategy="fsdp", workers=2, hparams=None, scaling=None, **training
-) -> TrialPlan:
+DIGITS_HPARAMS = {"learning_rate": 0.1, "momentum": 0.9, "width": 6}
+
+
+def lm_plan(data_dir, storage, strategy="fsdp", workers=2, hparams=None, scaling=None, **training):
+    """A 12-step `lm` trial over `workers` ranks (AdamW, evaluations every 4 steps)."""
+    return trial_plan("lm", data_dir, storage, strategy, workers, hparams or LM_HPARAMS, scaling, **training)
+
+
+def digits_plan(data_dir, storage, strategy="fsdp", workers=2, scaling=None, **training):
+    """A 12-step `digits` trial (its conv net has BatchNorm) over `workers` ranks (Nesterov)."""
+    training = {"batch_size": 32, "eval_batch_size": 64, "optimizer": "nesterov", **training}
+    return trial_plan("digits", data_dir, storage, strategy, workers, DIGITS_HPARAMS, scaling, **training)
+
+
+def trial_plan(workload, data_dir, storage, strategy, workers, hparams, scaling, **training) -> TrialPlan:
     tr = {
         "max_train_steps": 12,
         "batch_size": 8,
@@ -39,7 +51,7 @@ def lm_plan(
     study = spec.load_dict(
         {
             "name": "fsdp",
-            "workload": "lm",
+            "workload": workload,
             "data": {s: str(pathlib.Path(data_dir) / s) for s in ("train", "validation")},
             "storage": str(storage),
             "scaling": {"workers_per_host": workers, "strategy": strategy, **(scaling or {})},
@@ -48,7 +60,7 @@ def lm_plan(
             "rounds": [{"name": "r1", "num_trials": 1}],
         }
     )
-    return TrialPlan(study, "r1-0", "r1", dict(hparams or LM_HPARAMS))
+    return TrialPlan(study, "r1-0", "r1", dict(hparams))
 
 
 class StoreReporter:

@@ -1,0 +1,111 @@
+"""FSDP trials over gloo ranks (no Ray), against the same trial under DDP: every evaluation's
+metrics (fp32: to float rounding; bf16: within a stated tolerance), with gradient clipping by
+the global norm over the shards, microbatch accumulation, Nesterov and AdamW, BatchNorm
+statistics synced and ghost batch norm, HSDP; and a trial cut after its second evaluation
+resumes from its sharded checkpoint bitwise equal to the uninterrupted one."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from service.data import text
+from tests.helpers.fsdp_runs import SEQ_LEN, digits_plan, lm_plan, train_rank
+from tests.helpers.gloo import run_gloo
+from tests.helpers.trainer_runs import without_timing
+
+COMPARED = ("train/loss", "train/grad_norm", "train/clipped_fraction", "validation/loss")
+FP32_REL = 1e-5
+"""FSDP reduce-scatters gradients where DDP all-reduces them: the same sums in another order."""
+BF16_REL = 0.02
+"""bf16 under FSDP (parameters gathered in bf16) against fp32 under DDP: a loss within 2%."""
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    text.write_text(str(root), 20_000, SEQ_LEN)
+    return root
+
+
+def run(plan, tmp: pathlib.Path, world: int = 2, stop_after=None, async_save=False) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return run_gloo(train_rank, world, tmp, plan, stop_after, async_save)[0]["metrics"]
+
+
+def assert_close_rows(rows, reference, rel, keys=COMPARED):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for row, ref in zip(rows, reference, strict=True):
+        for key in keys:
+            assert row[key] == pytest.approx(ref[key], rel=rel), (row["step"], key)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"microbatch_size": 2, "optimizer": "nesterov", "hparams": {"grad_clip_norm": 1.6, "momentum": 0.9}},
+    ],
+    ids=["adamw", "clipped-microbatches-nesterov"],
+)
+def test_an_lm_trial_under_fsdp_equals_ddp_at_every_evaluation(text_dir, tmp_path, options):
+    options = dict(options)
+    hparams = {**lm_plan(text_dir, tmp_path).hparams, **options.pop("hparams", {})}
+    rows = {
+        strategy: run(
+            lm_plan(text_dir, tmp_path / strategy, strategy, hparams=hparams, **options), tmp_path / strategy
+        )
+        for strategy in ("ddp", "fsdp")
+    }
+    assert_close_rows(rows["fsdp"], rows["ddp"], FP32_REL)
+    if "grad_clip_norm" in hparams:  # clipping bites on some steps, not all: the norm is the whole model's
+        fractions = {r["train/clipped_fraction"] for r in rows["fsdp"]}
+        assert fractions - {0.0} and fractions - {1.0}, fractions
+
+
+def test_bf16_under_fsdp_is_within_the_stated_tolerance_of_fp32(text_dir, tmp_path):
+    fp32 = run(lm_plan(text_dir, tmp_path / "ddp", "ddp"), tmp_path / "ddp")
+    bf16 = run(lm_plan(text_dir, tmp_path / "bf16", precision="bf16"), tmp_path / "bf16")
+    assert_close_rows(bf16, fp32, BF16_REL, keys=("train/loss", "validation/loss"))
+    assert [r["validation/loss"] for r in bf16] != [r["validation/loss"] for r in fp32]  # bf16 did run
+
+
+@pytest.mark.parametrize("ghost", [False, True], ids=["batchnorm", "ghost-batchnorm"])
+def test_a_batchnorm_model_under_fsdp_equals_ddp(digits_dir, tmp_path, ghost):
+    """The running statistics (buffers: not sharded) are averaged over the ranks before each
+    evaluation and checkpoint, under FSDP as under DDP; ghost batch norm likewise."""
+    options = {"ghost_batch_norm": True, "virtual_batch_size": 8} if ghost else {}
+    rows = {
+        s: run(digits_plan(digits_dir, tmp_path / s, s, **options), tmp_path / s) for s in ("ddp", "fsdp")
+    }
+    assert_close_rows(rows["fsdp"], rows["ddp"], FP32_REL, keys=(*COMPARED, "validation/error"))
+
+
+def test_hsdp_over_two_replicas_of_two_shards_equals_ddp_on_four_ranks(text_dir, tmp_path):
+    ddp = run(
+        lm_plan(text_dir, tmp_path / "ddp", "ddp", workers=2, scaling={"num_hosts": 2}), tmp_path / "ddp", 4
+    )
+    hsdp_plan = lm_plan(
+        text_dir, tmp_path / "hsdp", workers=2, scaling={"num_hosts": 2, "shard_group_size": 2}
+    )
+    hsdp = run(hsdp_plan, tmp_path / "hsdp", 4)
+    assert_close_rows(hsdp, ddp, FP32_REL)
+
+
+def test_a_cut_fsdp_trial_resumes_from_its_sharded_checkpoint_bitwise(text_dir, tmp_path):
+    """Cut after the step-8 evaluation (its checkpoint saved in the background), then rerun:
+    every later evaluation and the last checkpoint's shards are those of the uninterrupted run."""
+    full_plan = lm_plan(text_dir, tmp_path / "full", async_checkpoint=True)
+    full = run(full_plan, tmp_path / "full", async_save=True)
+    cut_plan = lm_plan(text_dir, tmp_path / "cut", async_checkpoint=True)
+    before = run(cut_plan, tmp_path / "cut" / "first", stop_after=2, async_save=True)
+    after = run(cut_plan, tmp_path / "cut" / "again", async_save=True)
+    assert [r["step"] for r in before] == [4, 8] and [r["step"] for r in after] == [12]
+    assert [without_timing(r) for r in before + after] == [without_timing(r) for r in full]
+
+    def shards(plan) -> dict[str, bytes]:
+        folder = pathlib.Path(plan.trial_uri) / "checkpoint_00000012" / "model"
+        return {p.name: p.read_bytes() for p in folder.glob("__*.distcp")}
+
+    assert len(shards(full_plan)) == 2 and shards(cut_plan) == shards(full_plan)
