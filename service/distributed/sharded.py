@@ -30,6 +30,7 @@ import os
 import posixpath
 import tempfile
 import uuid
+import warnings
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -181,7 +182,10 @@ def load_shards(state: TrialState, model, optimizer=None) -> None:
     worker, `playbook export`)."""
     model_sd, optim_sd = sharding.state_dicts(model, optimizer)
     target = {"model": model_sd, **({"optimizer": optim_sd} if optimizer is not None else {})}
-    dcp.load(target, storage_reader=_dcp_reader(state.shards), no_dist=not sharding.is_sharded(model))
+    single = not sharding.is_sharded(model)
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: on purpose here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=_dcp_reader(state.shards), no_dist=single)
     sharding.load_state_dicts(model, optimizer, target["model"], target.get("optimizer", {}))
 
 

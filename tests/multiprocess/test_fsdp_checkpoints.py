@@ -1,0 +1,170 @@
+"""What FSDP changes on each rank and on disk (gloo, no Ray): each rank holds about 1/N of the
+parameters, gradients and optimizer state (counted from the local shards, against DDP's
+whole copies); a sharded checkpoint evaluated offline on 1 rank (read whole) and on 4 (resharded)
+gives the trial's own last evaluation; the exported file loads into the plain model (torch and
+safetensors) and reproduces it; a checkpoint with a shard missing, truncated or damaged is
+refused naming the file, by every rank alike, and a trial resumes from the newest whole one."""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import shutil
+from contextlib import redirect_stderr
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from service import workloads
+from service.cli import main
+from service.core.errors import CheckpointError
+from service.data import text
+from service.data.files import list_files
+from service.data.loader import eval_batches
+from service.data.sharding import row_ranges
+from service.distributed import sharded
+from service.distributed.topology import Topology
+from service.evaluation.offline import evaluate_checkpoint
+from service.evaluation.run import evaluate
+from service.study import spec
+from tests.helpers.fsdp_runs import LM_HPARAMS, SEQ_LEN, lm_plan, train_rank
+from tests.helpers.gloo import run_gloo
+from tests.helpers.trainer_runs import without_timing
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory):
+    """A 2-rank FSDP lm trial, its study file stored as `playbook run` stores it."""
+    root = tmp_path_factory.mktemp("fsdp-trial")
+    text.write_text(str(root / "text"), 20_000, SEQ_LEN)
+    plan = lm_plan(root / "text", root / "storage")
+    os.makedirs(plan.study.study_uri, exist_ok=True)
+    pathlib.Path(plan.study.layout.study_file).write_text(spec.dump_yaml(plan.study))
+    rows = run_gloo(train_rank, 2, root, plan)[0]["metrics"]
+    return plan, rows, pathlib.Path(plan.trial_uri) / "checkpoint_00000012"
+
+
+def one_step_bytes(rank: int, world: int, plan) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer state after one step (local
+    shards under fsdp), and each parameter's local element count."""
+    from service.trainer.profiling import StepProfiler
+    from service.trainer.setup import Progress, set_up
+    from service.trainer.step import train_step
+
+    topo = Topology(world_rank=rank, world_size=world, local_rank=rank, workers_per_host=world)
+    ctx = set_up(plan, topo, torch.device("cpu"))
+    train_step(ctx, Progress(0, []), ctx.stream.iterate(0), StepProfiler("", 0, 1))
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = list(ctx.model.parameters())
+    state = [local(v) for s in ctx.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "params": sum(local(p).nbytes for p in params),
+        "grads": sum(local(p.grad).nbytes for p in params if p.grad is not None),
+        "optimizer": sum(t.nbytes for t in state if t.ndim),
+        "numels": {n: local(p).numel() for n, p in ctx.model.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_holds_about_a_1_over_n_share(trial, tmp_path, world):
+    plan, _, _ = trial
+    text_dir = pathlib.Path(plan.study.data.train).parent
+    per_rank = {}
+    for strategy in ("ddp", "fsdp"):
+        p = lm_plan(text_dir, tmp_path / strategy, strategy, workers=world)
+        (tmp_path / strategy).mkdir()
+        per_rank[strategy] = run_gloo(one_step_bytes, world, tmp_path / strategy, p)
+    whole = {n: p.numel() for n, p in workloads.get("lm").build_model(LM_HPARAMS).named_parameters()}
+    assert per_rank["ddp"][0]["numels"] == whole
+    for name, numel in whole.items():  # uneven dimensions: every element on exactly one rank
+        assert sum(r["numels"][name] for r in per_rank["fsdp"]) == numel, name
+    for part in ("params", "grads", "optimizer"):
+        ddp = per_rank["ddp"][0][part]
+        for r in per_rank["fsdp"]:
+            assert r[part] / ddp <= 1 / world + 0.05, (part, r[part], ddp)
+
+
+def evaluate_on(rank: int, world: int, checkpoint: str) -> dict:
+    topo = Topology(world_rank=rank, world_size=world, local_rank=rank, workers_per_host=world)
+    return evaluate_checkpoint(checkpoint, "validation", topo)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_offline_evaluation_on_any_number_of_ranks_is_the_trials_own(trial, tmp_path, world):
+    plan, rows, ckpt = trial
+    if world == 1:
+        result = evaluate_checkpoint(str(ckpt), "validation", Topology())
+    else:
+        result = run_gloo(evaluate_on, world, tmp_path, str(ckpt))[0]
+    assert result["count"] == rows[-1]["validation/count"]
+    assert result["loss"] == rows[-1]["validation/loss"]  # the same weights, the same per-example values
+
+
+def plain_validation_loss(state_dict: dict, plan) -> float:
+    """The exported weights in the plain model, evaluated in one process on the whole split."""
+    workload = workloads.get("lm")
+    model = workload.build_model(plan.hparams)
+    model.load_state_dict(state_dict)
+    ranges = row_ranges(list_files(plan.study.data.validation), 0, 1)
+    return evaluate(model, workload, eval_batches(workload, ranges, 6), 6, "cpu")["loss"]
+
+
+def test_the_exported_file_loads_into_the_plain_model_and_reproduces_the_trial(trial, tmp_path):
+    from safetensors.torch import load_file
+
+    plan, rows, ckpt = trial
+    for fmt in ("torch", "safetensors"):
+        assert main(["export", str(ckpt), "--out", str(tmp_path / f"model.{fmt}"), "--format", fmt]) == 0
+    weights = torch.load(tmp_path / "model.torch", weights_only=True)
+    assert plain_validation_loss(weights, plan) == rows[-1]["validation/loss"]
+    read_back = load_file(str(tmp_path / "model.safetensors"))
+    assert read_back.keys() == weights.keys()
+    assert all(torch.equal(read_back[k], weights[k]) for k in weights)
+
+
+def load_on(rank: int, world: int, checkpoint: str) -> str:
+    try:
+        sharded.load_state(checkpoint, rank, world)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_a_checkpoint_with_a_bad_shard_is_refused_naming_it(trial, tmp_path, damage):
+    _, _, ckpt = trial
+    copy = tmp_path / "checkpoint_00000012"
+    shutil.copytree(ckpt, copy)
+    shard = copy / "model" / "__1_0.distcp"
+    data = shard.read_bytes()
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    messages = run_gloo(load_on, 2, tmp_path, str(copy))
+    assert messages[0] == messages[1] and "model/__1_0.distcp" in messages[0], messages
+    assert {"missing": "is missing", "truncated": "bytes", "flipped": "does not match"}[damage] in messages[0]
+    stderr = io.StringIO()
+    with redirect_stderr(stderr):
+        code = main(["export", str(copy), "--out", str(tmp_path / "model.pt")])
+    assert code == 2 and not (tmp_path / "model.pt").exists()
+    assert stderr.getvalue().count("\n") == 1 and "model/__1_0.distcp" in stderr.getvalue()
+
+
+def test_a_trial_whose_newest_checkpoint_lost_a_shard_resumes_from_the_one_before(trial, tmp_path):
+    plan, rows, _ = trial
+    text_dir = pathlib.Path(plan.study.data.train).parent
+    cut = lm_plan(text_dir, tmp_path / "storage")
+    (tmp_path / "first").mkdir(), (tmp_path / "again").mkdir()
+    run_gloo(train_rank, 2, tmp_path / "first", cut, 3)  # stops after the step-12 report
+    (pathlib.Path(cut.trial_uri) / "checkpoint_00000012" / "model" / "__0_0.distcp").unlink()
+    again = run_gloo(train_rank, 2, tmp_path / "again", cut)[0]["metrics"]
+    assert [r["step"] for r in again] == [12]  # from step 8, not from scratch and not from the torn one
+    assert without_timing(again[0]) == without_timing(rows[-1])
