@@ -78,6 +78,29 @@ GOALS = {
         "async_stall_vs_copy)",
     ),
     "async_stall_vs_copy": ("<=", 1.5, "loop stall with async save / a plain copy of the state's tensors"),
+    "fsdp_step_ratio": (
+        ">=",
+        0.95,
+        "steps/s of the service's FSDP trial, lm on 2 gloo ranks / a bare FSDP2 loop of the same model "
+        "(interleaved pairs, wall clock)",
+    ),
+    "fsdp_async_stall_vs_copy": (
+        "<=",
+        1.5,
+        "loop stall of an async sharded save (state dicts + snapshot) / a plain copy of the rank's shards "
+        "(the worst of 2 ranks)",
+    ),
+    "fsdp_memory_per_rank_ratio": (
+        "<=",
+        0.55,
+        "a rank's bytes of parameters, gradients and optimizer state under fsdp / a DDP rank's, lm on 2 "
+        "workers (the largest rank; 1/N + 0.05)",
+    ),
+    "fsdp_memory_per_rank_ratio_4_workers": (
+        "<=",
+        0.3,
+        "the same on 4 workers (1/N + 0.05)",
+    ),
     "loader_peak_rss_ratio": (
         "<=",
         1.2,

@@ -1,7 +1,7 @@
 """`make bench`: the benchmarks in turn, results to bench/results.json, then the tables.
 
 python -m bench.run [--only NAME ...]   (names: step lm loaders checkpoints trial demo scale tune_memory
-                                          cluster coordinator_memory ddp_buckets)
+                                          cluster coordinator_memory ddp_buckets fsdp)
 Without --only every suite runs except the long scale runs in LONG (`make bench-scale`
 runs the coordinator-memory study, `make bench-cluster` is `--only cluster`). Figures not
 measured in a run are kept from the existing results.json; each figure records when it was
@@ -35,6 +35,7 @@ SUITES = {
     "cluster": "bench.cluster",
     "coordinator_memory": "bench.coordinator_memory",
     "ddp_buckets": "bench.ddp_buckets",
+    "fsdp": "bench.fsdp",
 }
 LONG = ("coordinator_memory", "cluster")
 """Suites that run for longer than `make bench` should take (see docs/scale.md): only by name."""

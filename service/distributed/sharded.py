@@ -42,7 +42,7 @@ from service.core import storage
 from service.core.errors import CheckpointError
 from service.distributed import checkpoint, fence, sharding
 from service.distributed.checkpoint import MANIFEST_FILE, META_FILE, STATE_FILE, TrialState
-from service.distributed.checkpoint_store import PARTIAL, CheckpointStore
+from service.distributed.checkpoint_store import PARTIAL, CheckpointStore, as_dtensors
 from service.study.layout import checkpoint_name
 
 SHARDS_DIR = "model"
@@ -92,7 +92,7 @@ class ShardedCheckpointStore(CheckpointStore):
         shards = os.path.join(folder, SHARDS_DIR)
         os.makedirs(shards, exist_ok=True)
         dcp.save(
-            {"model": state.model, "optimizer": state.optimizer},
+            as_dtensors({"model": state.model, "optimizer": state.optimizer}),  # from a snapshot too
             storage_writer=FileSystemWriter(shards),
             process_group=self.group,
         )
@@ -180,7 +180,7 @@ def load_shards(state: TrialState, model, optimizer=None) -> None:
     """Read a sharded checkpoint's model (and optimizer) into the live ones: this rank's shards
     of a sharded model, or the whole of a plain one in a single process (`playbook eval` on one
     worker, `playbook export`)."""
-    model_sd, optim_sd = sharding.state_dicts(model, optimizer)
+    model_sd, optim_sd = sharding.load_targets(model, optimizer)
     target = {"model": model_sd, **({"optimizer": optim_sd} if optimizer is not None else {})}
     single = not sharding.is_sharded(model)
     with warnings.catch_warnings():  # DCP warns that it loads in a single process: on purpose here

@@ -20,8 +20,8 @@ What a user of torch sees is unchanged, bit for bit:
   same norms as an uninterrupted one, bit for bit);
 - a gradient something else put in `.grad` (a hook) is normed where it is.
 Under FSDP the parameters and their gradients are this rank's shards (DTensors): the global
-norm is torch's over the shards, reduced over every rank, and clipping scales each shard by the
-same factor, so the norm and the clipped update are those of the whole model.
+norm is taken over every rank's shards (`sharded_norm`), and clipping scales each shard by the
+same factor, torch's, so the norm and the clipped update are those of the whole model.
 Torch's own gradients are kept on CUDA (freed between steps: peak memory), with several ranks
 (DDP hands an undefined gradient on as a defined zero once `.grad` exists) and with the
 workload's own optimizer (which may keep a `.grad` from one step to the next without a copy).
@@ -33,6 +33,7 @@ those of `torch.nn.utils.clip_grad_norm_`."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -107,8 +108,8 @@ class Gradients:
         trainable parameters share one device and dtype (almost always) this does the same
         arithmetic in three."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self.sharded:  # torch's norm of the local shards, reduced over the shard groups
-            return _full(torch.nn.utils.get_total_norm(grads))
+        if self.sharded:
+            return sharded_norm(grads)
         if not grads or not self.fused:
             return torch.nn.utils.get_total_norm(grads)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -117,12 +118,24 @@ class Gradients:
         """The norm, after scaling the gradients by min(1, max_norm / (norm + 1e-6)) in place
         (`torch.nn.utils.clip_grad_norm_`); returns the norm before clipping."""
         total = self.exact_norm()
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
+        if self.sharded:  # torch's coefficient, applied to each rank's shards
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad.to_local() for p in self.params if p.grad is not None], coefficient)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
         return total
 
 
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def sharded_norm(grads: list[DTensor]) -> torch.Tensor:
+    """The global 2-norm of FSDP's sharded gradients: the 2-norm of this rank's shards (one
+    foreach norm), squared, summed over the ranks of its shard group (one all-reduce), the square
+    root. Replicas (HSDP's other dimension) hold copies, which are not summed. Taking the norm
+    of the DTensors instead dispatches every operation through DTensor, a few milliseconds a step
+    for a small transformer (bench.fsdp)."""
+    squared = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.to_local() for g in grads]))) ** 2
+    mesh = grads[0].device_mesh
+    dist.all_reduce(squared, group=mesh.get_group(mesh.ndim - 1))
+    return squared.sqrt()
 
 
 def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:

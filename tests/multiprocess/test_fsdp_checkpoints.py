@@ -15,6 +15,7 @@ from contextlib import redirect_stderr
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from service import workloads
@@ -24,13 +25,14 @@ from service.data import text
 from service.data.files import list_files
 from service.data.loader import eval_batches
 from service.data.sharding import row_ranges
-from service.distributed import sharded
+from service.distributed import sharded, sharding
 from service.distributed.topology import Topology
 from service.evaluation.offline import evaluate_checkpoint
 from service.evaluation.run import evaluate
 from service.study import spec
 from tests.helpers.fsdp_runs import LM_HPARAMS, SEQ_LEN, lm_plan, train_rank
 from tests.helpers.gloo import run_gloo
+from tests.helpers.studies import same_nested
 from tests.helpers.trainer_runs import without_timing
 
 
@@ -46,9 +48,14 @@ def trial(tmp_path_factory):
     return plan, rows, pathlib.Path(plan.trial_uri) / "checkpoint_00000012"
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def one_step_bytes(rank: int, world: int, plan) -> dict:
     """This rank's bytes of parameters, gradients and optimizer state after one step (local
-    shards under fsdp), and each parameter's local element count."""
+    shards under fsdp), each parameter's local element count, and whether the state dicts a
+    checkpoint saves are torch's."""
     from service.trainer.profiling import StepProfiler
     from service.trainer.setup import Progress, set_up
     from service.trainer.step import train_step
@@ -57,17 +64,32 @@ def one_step_bytes(rank: int, world: int, plan) -> dict:
     ctx = set_up(plan, topo, torch.device("cpu"))
     train_step(ctx, Progress(0, []), ctx.stream.iterate(0), StepProfiler("", 0, 1))
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     params = list(ctx.model.parameters())
     state = [local(v) for s in ctx.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
+        "as_torch_makes_them": same_as_torch(ctx.model, ctx.optimizer),
         "params": sum(local(p).nbytes for p in params),
         "grads": sum(local(p.grad).nbytes for p in params if p.grad is not None),
         "optimizer": sum(t.nbytes for t in state if t.ndim),
         "numels": {n: local(p).numel() for n, p in ctx.model.named_parameters()},
     }
+
+
+def same_as_torch(model, optimizer) -> bool:
+    """The checkpointed state dicts are torch's `get_state_dict` (or, for DDP, torch's own)."""
+    ours = sharding.state_dicts(model, optimizer)
+    theirs = get_state_dict(model, optimizer) if sharding.is_sharded(model) else (model.state_dict(), {})
+    if not sharding.is_sharded(model):
+        return same_nested(ours[0], theirs[0])
+    locals_ = [
+        {k: local(v) if torch.is_tensor(v) else v for k, v in sd.items()} for sd in (ours[0], theirs[0])
+    ]
+    state = [
+        {n: {k: local(v) for k, v in s.items()} for n, s in o["state"].items()} for o in (ours[1], theirs[1])
+    ]
+    return (
+        same_nested(*locals_) and same_nested(*state) and ours[1]["param_groups"] == theirs[1]["param_groups"]
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -81,6 +103,7 @@ def test_each_rank_holds_about_a_1_over_n_share(trial, tmp_path, world):
         per_rank[strategy] = run_gloo(one_step_bytes, world, tmp_path / strategy, p)
     whole = {n: p.numel() for n, p in workloads.get("lm").build_model(LM_HPARAMS).named_parameters()}
     assert per_rank["ddp"][0]["numels"] == whole
+    assert all(r["as_torch_makes_them"] for r in per_rank["ddp"] + per_rank["fsdp"])
     for name, numel in whole.items():  # uneven dimensions: every element on exactly one rank
         assert sum(r["numels"][name] for r in per_rank["fsdp"]) == numel, name
     for part in ("params", "grads", "optimizer"):
