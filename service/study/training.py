@@ -164,8 +164,9 @@ class Training:
     per-worker batch must be a multiple of it, or a whole fraction of it whose groups of workers
     divide the workers."""
     async_checkpoint: bool = True
-    """Single-worker trials: write checkpoints on a background thread (training stalls only for
-    a memory copy of the state). Multi-worker trials save synchronously through Ray Train."""
+    """Single-worker and fsdp trials: write checkpoints on a background thread (training stalls
+    only for a memory copy of the state, under fsdp of each worker's shards). Multi-worker ddp
+    trials save synchronously through Ray Train."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Forward passes (training and evaluation) under torch.autocast in this dtype on the
     trial's device; fp16 adds a gradient scaler, saved in the checkpoint. Weights, optimizer
