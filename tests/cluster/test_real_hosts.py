@@ -26,10 +26,12 @@ import pytest
 
 from service.data.files import list_files
 from service.distributed import checkpoint
+from service.distributed.checkpoint_store import CheckpointStore
 from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from tests.helpers import netns_cluster
+from tests.helpers.gloo import run_gloo
 from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
@@ -183,8 +185,6 @@ def reference_rank(rank: int, world: int, raw: dict, per_host: int, store: str) 
 def reference_run(raw: dict, tmp_path) -> tuple[TrialPlan, dict[int, str]]:
     """(plan, {step: checkpoint folder}) of the trial of `raw` trained by gloo processes (into
     `raw`'s storage: another than the job's, or its metrics log would be compared with itself)."""
-    from tests.helpers.gloo import run_gloo
-
     tmp_path.mkdir(exist_ok=True)
     scaling = raw["scaling"]
     world = scaling["num_hosts"] * scaling["workers_per_host"]
@@ -387,3 +387,52 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tm
         f"{logged + EVERY - 1 - resumed} (the kill came between steps {logged} and {logged + EVERY}); "
         f"the job ran {job_seconds(cluster, job_id):.1f} s"
     )
+
+
+def committed_steps(plan: TrialPlan) -> list[int]:
+    """Steps of the trial's committed checkpoints (a sharded trial keeps them itself), listed
+    without touching what its ranks are writing."""
+    tr = plan.study.training
+    store = CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, clean=False)
+    return [m["step"] for _, m in store.complete()] if os.path.exists(plan.trial_uri) else []
+
+
+def shard_files(plan: TrialPlan, step: int) -> dict[str, bytes]:
+    folder = pathlib.Path(plan.trial_uri) / f"checkpoint_{step:08d}" / "model"
+    return {p.name: p.read_bytes() for p in folder.glob("__*.distcp")}
+
+
+def test_a_killed_host_of_an_fsdp_trial_resumes_from_its_sharded_checkpoint(cluster, digits_dir, tmp_path):
+    """The same loss under `strategy: fsdp` (3 hosts x 1 worker, the model sharded over them):
+    every process of a worker host SIGKILLed once a sharded checkpoint is committed, a
+    replacement added; every rank reads its part of that checkpoint and the trial ends bitwise
+    equal to the same trial in gloo processes (every evaluation, the kept checkpoints' shards)."""
+    from tests.helpers.fsdp_runs import train_rank
+
+    def fsdp_study(storage):
+        raw = one_trial_study(digits_dir, storage, "fsdphost", 3, 1, STEPS, EVERY)
+        raw["scaling"]["strategy"] = "fsdp"
+        return raw
+
+    raw = fsdp_study(tmp_path / "storage")
+    plan = plan_of(raw)
+    job_id = cluster.submit_study(raw, tmp_path / "work")
+    committed = wait_until(lambda: committed_steps(plan), JOB_TIMEOUT_S)
+    assert committed, "no sharded checkpoint was committed"
+    victim = training_only_host(cluster, plan)
+    logged, address = read_log(plan)[-1]["step"], cluster.hosts[victim].address
+    assert cluster.kill_host(victim)
+    assert wait_until(lambda: node_state(cluster, address) == "DEAD", 60, 0.2) and logged < STEPS
+    cluster.add_host(f"{victim}-new")
+    reference = plan_of(fsdp_study(tmp_path / "ref-storage"))
+    (tmp_path / "ref").mkdir()
+    run_gloo(train_rank, 3, tmp_path / "ref", reference, None, True)  # trains while the job ends its trial
+    finish(cluster, job_id)
+
+    ranks = read_topology(plan)["ranks"]
+    assert address not in node_ips(cluster, read_topology(plan))
+    assert max(committed) <= ranks[0]["resumed_from_step"] <= logged
+    assert [without_timing(r) for r in read_log(plan)] == [without_timing(r) for r in read_log(reference)]
+    assert committed_steps(plan) == committed_steps(reference)
+    for step in committed_steps(plan):
+        assert len(shard_files(plan, step)) == 3 and shard_files(plan, step) == shard_files(reference, step)

@@ -155,6 +155,28 @@ def _(c):
     return run(c), "scaling.num_hosts"
 
 
+@case("study-file-fsdp-with-one-worker")
+def _(c):
+    c.set("scaling.strategy", "fsdp")
+    return run(c), "scaling.strategy"
+
+
+@case("study-file-fsdp-shard-group-not-dividing-the-workers")
+def _(c):
+    c.set("scaling.workers_per_host", 2)
+    c.set("scaling.strategy", "fsdp")
+    c.set("scaling.shard_group_size", 3)
+    return run(c), "scaling.shard_group_size"
+
+
+@case("study-file-fsdp-with-fp16")
+def _(c):
+    c.set("scaling.workers_per_host", 2)
+    c.set("scaling.strategy", "fsdp")
+    c.set("training.precision", "fp16")
+    return run(c), "training.precision"
+
+
 # --- the workload ----------------------------------------------------------------------------
 @case("workload-unknown")
 def _(c):

@@ -17,6 +17,16 @@ FAULT_TESTS = {
     "single-worker (fast path) trial process SIGKILLed mid-run": "tests/faults/test_fault_trial_kill.py",
     "a rank of a multi-worker trial with reused workers (a pool actor, the trial's own process) "
     "SIGKILLed mid-run": "tests/faults/test_fault_pool_worker_kill.py",
+    "a rank of an FSDP trial SIGKILLed mid-run: resumed from its sharded checkpoint": (
+        "tests/faults/test_fault_fsdp_worker_kill.py"
+    ),
+    "a sharded checkpoint with a shard missing, truncated or damaged: refused by every rank": (
+        "tests/multiprocess/test_fsdp_checkpoints.py::test_a_checkpoint_with_a_bad_shard_is_refused_naming_it"
+    ),
+    "an FSDP trial whose newest checkpoint lost a shard resumes from the one before": (
+        "tests/multiprocess/test_fsdp_checkpoints.py::"
+        "test_a_trial_whose_newest_checkpoint_lost_a_shard_resumes_from_the_one_before"
+    ),
     "host removed from a 2-host trial, replacement added": "tests/cluster/test_fault_node_removed.py",
     "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; the "
     "round's Tune run process SIGKILLed; a torn checkpoint on Ray storage": (
@@ -27,6 +37,9 @@ FAULT_TESTS = {
     ),
     "every process of a worker host SIGKILLed mid-trial, replacement added, on hosts in network namespaces": (
         "tests/cluster/test_real_hosts.py::test_a_killed_host_is_replaced_and_the_trial_resumes"
+    ),
+    "the same under fsdp, resumed from a sharded checkpoint": (
+        "tests/cluster/test_real_hosts.py::test_a_killed_host_of_an_fsdp_trial_resumes_from_its_sharded_checkpoint"
     ),
     "a collective whose peer stopped answering times out": "tests/multiprocess/test_collective_timeout.py",
     "a superseded trial attempt's writes refused": "tests/unit/test_attempt_fence.py",

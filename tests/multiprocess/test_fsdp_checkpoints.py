@@ -191,3 +191,16 @@ def test_a_trial_whose_newest_checkpoint_lost_a_shard_resumes_from_the_one_befor
     again = run_gloo(train_rank, 2, tmp_path / "again", cut)[0]["metrics"]
     assert [r["step"] for r in again] == [12]  # from step 8, not from scratch and not from the torn one
     assert without_timing(again[0]) == without_timing(rows[-1])
+
+
+def test_sharded_checkpoints_on_gcs_resume_to_the_same_result(trial, gcs_emulator, tmp_path):
+    """gs:// storage (gcsfs on the emulator): each rank uploads its shards, rank 0 the manifest
+    last; the cut trial resumes from the shards read back through fsspec, to the local run's rows."""
+    plan, rows, _ = trial
+    text_dir = pathlib.Path(plan.study.data.train).parent
+    remote = lm_plan(text_dir, f"{gcs_emulator}/fsdp-{tmp_path.name}")
+    (tmp_path / "first").mkdir(), (tmp_path / "again").mkdir()
+    before = run_gloo(train_rank, 2, tmp_path / "first", remote, 2)[0]["metrics"]
+    after = run_gloo(train_rank, 2, tmp_path / "again", remote)[0]["metrics"]
+    assert [r["step"] for r in before + after] == [4, 8, 12]
+    assert [without_timing(r) for r in before + after] == [without_timing(r) for r in rows]
