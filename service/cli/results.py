@@ -119,7 +119,7 @@ def cmd_eval(args) -> int:
     from service import workloads
     from service.core import storage
     from service.evaluation.offline import locate, metrics_uri, output_uri, split_uri, stored_study
-    from service.orchestration.launch import run_offline_eval
+    from service.orchestration.offline_eval import run_offline_eval
     from service.tracking import provenance
 
     uri = checked_checkpoint(args.checkpoint_uri)

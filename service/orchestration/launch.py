@@ -4,13 +4,8 @@ of one worker takes the fast path instead (`fast_path`: the loop inside the Tune
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
-import logging
-import sys
-import uuid
-import warnings
 
 import pyarrow.fs as pafs
 import ray
@@ -32,15 +27,17 @@ from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
 from service.orchestration.ray_private import data_error_of, trainer_class
 from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
+from service.orchestration.worker_console import (
+    log_known_warnings,
+    quiet_exit_on_sigterm,
+    quiet_train_console,
+)
 from service.planning.trial import TrialPlan
 from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
 from service.trainer import loop
 
 MAX_WORKER_GROUP_RESTARTS = 2
-NOT_THE_USERS_PROBLEM = ("`broadcast_buffers` is deprecated",)
-"""Starts of Python warnings a Train worker sends to Ray Train's log file instead of the job
-log: torch's notice about the DDP argument the loop passes on purpose (see `trainer.loop`)."""
 
 
 class RayTrainReporter:
@@ -110,54 +107,6 @@ def worker_topology() -> Topology:
         node_ids = [None] * world_size
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     return rank_topology(node_ids, world_rank)
-
-
-def quiet_train_console() -> None:
-    """Ray Train's workers log every report at INFO on the console, which floods the job log
-    (the run's LoggingConfig does not reach the worker console in 2.60). Raise the console
-    handler to WARNING; Ray's log files keep everything."""
-    for handler in logging.getLogger("ray.train").handlers:
-        if type(handler).__name__ == "PlainRayHandler":
-            handler.setLevel(logging.WARNING)
-
-
-def log_known_warnings() -> None:
-    """Warnings of `NOT_THE_USERS_PROBLEM` go to Ray Train's log file (INFO: below what its
-    console handler shows, see `quiet_train_console`); every other warning is shown as usual.
-    Once per process."""
-    if getattr(warnings.showwarning, "playbook", False):
-        return
-    show = warnings.showwarning
-    log = logging.getLogger("ray.train.playbook")
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        if str(message).startswith(NOT_THE_USERS_PROBLEM):
-            log.info("%s:%s: %s: %s", filename, lineno, category.__name__, message)
-        else:
-            show(message, category, filename, lineno, file, line)
-
-    showwarning.playbook = True
-    warnings.showwarning = showwarning
-
-
-def quiet_exit_on_sigterm() -> None:
-    """Ray ends a trial's processes with SIGTERM (a Tune run's actors at its end), and its
-    handler raises SystemExit. Landing inside a weakref callback or `__del__`, that SystemExit
-    cannot propagate: Python prints it as `Exception ignored ... SystemExit: 1`, which the job
-    log shows as a traceback of a run that succeeded. Such a SystemExit goes to Ray's log file
-    instead; every other unraisable exception is printed as usual."""
-    if getattr(sys.unraisablehook, "playbook", False):
-        return
-    log = logging.getLogger("ray.tune.playbook")
-
-    def hook(unraisable) -> None:
-        if isinstance(unraisable.exc_value, SystemExit):
-            log.debug("SystemExit(%s) at process exit in %r", unraisable.exc_value.code, unraisable.object)
-        else:
-            sys.__unraisablehook__(unraisable)
-
-    hook.playbook = True
-    sys.unraisablehook = hook
 
 
 class ShardedReporter:
@@ -406,40 +355,3 @@ def run_single(plan: TrialPlan):
     if plan.study.scaling.strategy != "fsdp":
         prune_unregistered(plan, result)
     return result
-
-
-def eval_worker(config: dict) -> None:
-    import ray.train.torch
-
-    quiet_train_console()
-    from service.evaluation.offline import evaluate_checkpoint
-
-    evaluate_checkpoint(
-        config["checkpoint_uri"], config["split"], worker_topology(), ray.train.torch.get_device()
-    )
-
-
-def run_offline_eval(checkpoint_uri: str, split: str, study: Study, num_workers: int | None = None) -> None:
-    """`playbook eval`: the checkpoint on the whole split, over the study's worker layout or
-    over `num_workers` workers on any hosts (a sharded checkpoint is resharded over them)."""
-    from service.evaluation.offline import locate
-
-    scaling = study.scaling
-    if num_workers is not None:
-        scaling = dataclasses.replace(scaling, num_hosts=1, workers_per_host=num_workers)
-    fs, path = storage.ray_storage(study.layout.evals_dir)
-    from ray.train.torch import TorchTrainer
-
-    _, trial = locate(checkpoint_uri)
-    TorchTrainer(
-        eval_worker,
-        train_loop_config={"checkpoint_uri": checkpoint_uri, "split": split},
-        torch_config=torch_config(scaling),
-        scaling_config=scaling_config(scaling),
-        run_config=RunConfig(
-            name=f"eval-{trial}-{split}-{uuid.uuid4().hex[:6]}",
-            storage_path=path,
-            storage_filesystem=fs,
-            logging_config=LoggingConfig(log_level="WARNING"),
-        ),
-    ).fit()

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.distributed.checkpoint import TrialState
 from service.distributed.checkpoint_store import CheckpointStore
 from service.distributed.topology import Topology, rank_topology, world_order
-from service.orchestration import fast_path, launch
+from service.orchestration import fast_path, launch, worker_console
 from service.planning.trial import TrialPlan
 from service.trainer import loop
 
@@ -91,8 +91,8 @@ class PoolWorker:
     trial after trial."""
 
     def __init__(self):
-        launch.log_known_warnings()
-        launch.quiet_exit_on_sigterm()
+        worker_console.log_known_warnings()
+        worker_console.quiet_exit_on_sigterm()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -111,7 +111,7 @@ class WorkerPool:
     joined with this process in one process group."""
 
     def __init__(self, scaling):
-        launch.log_known_warnings()  # rank 0 builds DDP in this process
+        worker_console.log_known_warnings()  # rank 0 builds DDP in this process
         self.scaling, self.group = scaling, get_current_placement_group()
         workers = [self._start(bundle) for bundle in range(1, scaling.world_size)]
         rank0_node = ray.get_runtime_context().get_node_id()

@@ -188,7 +188,7 @@ def test_the_trial_table_not_tunes_state_says_which_trials_are_done(finished_stu
 
 def test_offline_eval_of_the_best_checkpoint_on_the_test_split(finished_study, digits_dir):
     from service.evaluation.offline import output_uri
-    from service.orchestration.launch import run_offline_eval
+    from service.orchestration.offline_eval import run_offline_eval
 
     study, rows, _ = finished_study
     best = min(rows, key=lambda r: r["best_metric"])

@@ -1,0 +1,51 @@
+"""The Ray edge of `playbook eval`: a Ray Train run whose workers evaluate a checkpoint on a
+whole split (`service.evaluation.offline`), over the study's worker layout or another."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from ray.train import LoggingConfig, RunConfig
+
+from service.core import storage
+from service.orchestration.launch import scaling_config, torch_config, worker_topology
+from service.orchestration.worker_console import quiet_train_console
+from service.study.spec import Study
+
+
+def eval_worker(config: dict) -> None:
+    import ray.train.torch
+
+    quiet_train_console()
+    from service.evaluation.offline import evaluate_checkpoint
+
+    evaluate_checkpoint(
+        config["checkpoint_uri"], config["split"], worker_topology(), ray.train.torch.get_device()
+    )
+
+
+def run_offline_eval(checkpoint_uri: str, split: str, study: Study, num_workers: int | None = None) -> None:
+    """`playbook eval`: the checkpoint on the whole split, over the study's worker layout or
+    over `num_workers` workers on any hosts (a sharded checkpoint is resharded over them)."""
+    from service.evaluation.offline import locate
+
+    scaling = study.scaling
+    if num_workers is not None:
+        scaling = dataclasses.replace(scaling, num_hosts=1, workers_per_host=num_workers)
+    fs, path = storage.ray_storage(study.layout.evals_dir)
+    from ray.train.torch import TorchTrainer
+
+    _, trial = locate(checkpoint_uri)
+    TorchTrainer(
+        eval_worker,
+        train_loop_config={"checkpoint_uri": checkpoint_uri, "split": split},
+        torch_config=torch_config(scaling),
+        scaling_config=scaling_config(scaling),
+        run_config=RunConfig(
+            name=f"eval-{trial}-{split}-{uuid.uuid4().hex[:6]}",
+            storage_path=path,
+            storage_filesystem=fs,
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    ).fit()
