@@ -12,6 +12,7 @@ from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
+from service.workloads.lm import LanguageModel
 
 SEQ_LEN = 24
 LM_HPARAMS = {"learning_rate": 0.003, "depth": 2, "width": 30, "heads": 2, "context": SEQ_LEN}
@@ -108,4 +109,19 @@ def train_rank(
         train(plan, topo, reporter, checkpointer=saver)
     except Interrupted:
         pass
-    return {"metrics": reporter.metrics}
+    return {"metrics": reporter.metrics, "seen": list(SEEN)}
+
+
+class GradSeenLM(LanguageModel):
+    """The `lm` workload noting, at each forward pass on this rank, whether any parameter (a
+    shard, under fsdp) holds a gradient yet: between a step's microbatches none may, as long as
+    the gradients are not reduced (FSDP keeps the unreduced ones beside the shards)."""
+
+    name = "grad_seen_lm"
+
+    def forward(self, model, batch):
+        SEEN.append(any(p.grad is not None for p in model.parameters()))
+        return super().forward(model, batch)
+
+
+SEEN: list[bool] = []

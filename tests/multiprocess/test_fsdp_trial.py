@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 from service.data import text
-from tests.helpers.fsdp_runs import SEQ_LEN, digits_plan, lm_plan, train_rank
+from tests.helpers.fsdp_runs import LM_HPARAMS, SEQ_LEN, digits_plan, lm_plan, train_rank, trial_plan
 from tests.helpers.gloo import run_gloo
 from tests.helpers.trainer_runs import without_timing
 
@@ -62,6 +62,23 @@ def test_an_lm_trial_under_fsdp_equals_ddp_at_every_evaluation(text_dir, tmp_pat
     if "grad_clip_norm" in hparams:  # clipping bites on some steps, not all: the norm is the whole model's
         fractions = {r["train/clipped_fraction"] for r in rows["fsdp"]}
         assert fractions - {0.0} and fractions - {1.0}, fractions
+
+
+def test_microbatches_under_fsdp_reduce_the_gradients_once_per_step(text_dir, tmp_path):
+    """2 microbatches of 2 rows per rank: at the second one's forward no shard holds a gradient
+    yet (nothing reduce-scattered), and the trial equals the one without microbatches."""
+    options = {"workload": "tests.helpers.fsdp_runs:GradSeenLM"}
+    whole = run(trial_plan_of(text_dir, tmp_path / "whole", **options), tmp_path / "whole")
+    plan = trial_plan_of(text_dir, tmp_path / "micro", microbatch_size=2, **options)
+    (tmp_path / "micro").mkdir()
+    result = run_gloo(train_rank, 2, tmp_path / "micro", plan)[0]
+    first_steps = result["seen"][:8]  # the 2 forwards of each of steps 1-4 (then the evaluation's)
+    assert first_steps == [False, False] * 4, first_steps
+    assert_close_rows(result["metrics"], whole, FP32_REL)
+
+
+def trial_plan_of(text_dir, storage, workload, **training):
+    return trial_plan(workload, text_dir, storage, "fsdp", 2, LM_HPARAMS, None, **training)
 
 
 def test_bf16_under_fsdp_is_within_the_stated_tolerance_of_fp32(text_dir, tmp_path):

@@ -179,6 +179,8 @@ def _both(*changes):
     return apply
 
 
+FSDP_ON_2 = (_set("scaling.workers_per_host", 2), _set("scaling.strategy", "fsdp"))
+
 BAD = [
     # (id, change, dotted path the message must start with)
     ("unknown-top-level-key", _set("lerning_rate", 0.1), "lerning_rate"),
@@ -294,6 +296,31 @@ BAD = [
     ("string-for-ghost-bn", _set("training.ghost_batch_norm", "yes"), "training.ghost_batch_norm"),
     ("round-steps-within-warmup", _set("rounds.0.max_train_steps", 20), "rounds[0].max_train_steps"),
     ("learning-rate-missing", _set("search.learning_rate", DELETE), "search"),
+    ("unknown-strategy", _set("scaling.strategy", "zero3"), "scaling.strategy"),
+    ("fsdp-with-one-worker", _set("scaling.strategy", "fsdp"), "scaling.strategy"),
+    (
+        "shard-group-without-fsdp",
+        _both(_set("scaling.workers_per_host", 2), _set("scaling.shard_group_size", 2)),
+        "scaling.shard_group_size",
+    ),
+    (
+        "shard-group-of-one",
+        _both(*FSDP_ON_2, _set("scaling.shard_group_size", 1)),
+        "scaling.shard_group_size",
+    ),
+    (
+        "shard-group-not-dividing",
+        _both(
+            _set("scaling.workers_per_host", 4),
+            _set("scaling.strategy", "fsdp"),
+            _set("scaling.shard_group_size", 3),
+        ),
+        "scaling.shard_group_size",
+    ),
+    ("zero-shard-group", _both(*FSDP_ON_2, _set("scaling.shard_group_size", 0)), "scaling.shard_group_size"),
+    ("fsdp-with-fp16", _both(*FSDP_ON_2, _set("training.precision", "fp16")), "training.precision"),
+    ("fsdp-with-compile", _both(*FSDP_ON_2, _set("training.compile", True)), "training.compile"),
+    ("fsdp-reusing-workers", _both(*FSDP_ON_2, _set("scaling.reuse_workers", True)), "scaling.reuse_workers"),
 ]
 
 # Hyperparameters and round fields nothing would read (or that could not run), each refused
@@ -713,3 +740,11 @@ def test_a_study_file_stored_by_the_earlier_version_still_loads():
     raw["rounds"][0]["step_multiplier"] = 2.0
     with pytest.raises(SpecError, match=r"^rounds\[0\]\.step_multiplier: only applies to kind: extend"):
         spec.load_dict(raw)
+
+
+def test_fsdp_layouts_that_can_train_are_accepted(raw):
+    raw["scaling"].update({"num_hosts": 2, "workers_per_host": 2, "strategy": "fsdp"})
+    assert spec.load_dict(raw).scaling.resolved_shard_group_size == 4
+    raw["scaling"]["shard_group_size"] = 2  # HSDP: shard within each host, replicate across them
+    raw["training"]["precision"] = "bf16"
+    assert spec.load_dict(raw).scaling.resolved_shard_group_size == 2

@@ -1,0 +1,32 @@
+"""Which modules FSDP shards as units (`Workload.shard_units`): by default every top-level child
+with parameters, a ModuleList's children in its place, a child sharing a parameter with another
+left to the root; the lm workload's are its transformer blocks."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from service import workloads
+from service.workloads.base import top_level_units
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.act = nn.ReLU()  # no parameters: nothing to shard
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: both stay in the root unit
+
+
+def test_default_units_expand_lists_and_leave_tied_children_to_the_root():
+    model = Tied()
+    assert top_level_units(model) == [model.blocks[0], model.blocks[1], model.mlp]
+
+
+def test_the_lm_workloads_units_are_its_blocks():
+    lm = workloads.get("lm")
+    model = lm.build_model({"depth": 3, "width": 8, "heads": 2, "context": 8})
+    assert lm.shard_units(model) == list(model.blocks) and len(model.blocks) == 3
