@@ -163,12 +163,12 @@ def checked_checkpoint(checkpoint_uri: str) -> str:
     """The checkpoint's absolute URI, refused in one line when it is missing or torn (no manifest,
     or files that differ from it): before anything starts."""
     from service.core import storage
-    from service.distributed import checkpoint
+    from service.distributed import checkpoint, sharded
 
     uri = storage.absolute(checkpoint_uri)
     if not storage.exists(storage.join(uri, checkpoint.STATE_FILE)):
         raise StudyNotFound(f"{checkpoint_uri}: no checkpoint there (no {checkpoint.STATE_FILE})")
-    checkpoint.verify(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
+    sharded.verify(uri)  # every file, read in chunks (a sharded checkpoint's shards may be large)
     return uri
 
 

@@ -209,6 +209,12 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+def open_read(uri: str):
+    """The file at `uri` opened for reading in binary (a context manager)."""
+    fs, path = split(uri)
+    return fs.open(path, "rb")
+
+
 def size(uri: str) -> int:
     """The size of the file at `uri` in bytes, from its listing (FileNotFoundError when absent)."""
     fs, path = split(uri)

@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import torch
 from torch.utils.serialization import config as serialization_config
@@ -123,10 +124,12 @@ def save_state(state: TrialState, directory: str) -> dict:
     return writer.entry()
 
 
-def save(state: TrialState, directory: str, metrics: dict) -> None:
-    """Write the state into `directory`: state.pt, meta.json, then the manifest that commits them."""
+def save(state: TrialState, directory: str, metrics: dict, beside: dict[str, dict] | None = None) -> None:
+    """Write the state into `directory`: state.pt, meta.json, then the manifest that commits them
+    and the files `beside` ({path relative to the checkpoint: manifest entry}: a sharded
+    checkpoint's shards, written by every rank)."""
     os.makedirs(directory, exist_ok=True)
-    files = {STATE_FILE: save_state(state, directory)}
+    files = {**(beside or {}), STATE_FILE: save_state(state, directory)}
     meta = json.dumps({"step": state.step, "metrics": metrics}).encode()
     write_atomic(directory, META_FILE, meta)
     files[META_FILE] = entry(meta)
@@ -138,9 +141,29 @@ def write_manifest(directory: str) -> None:
     files = {}
     for name in sorted(os.listdir(directory)):
         if name != MANIFEST_FILE and not name.endswith(".partial"):
-            with open(os.path.join(directory, name), "rb") as f:
-                files[name] = entry(f.read())
+            files[name] = file_entry(os.path.join(directory, name))
     commit(directory, files)
+
+
+READ_CHUNK_BYTES = 8 << 20
+
+
+def file_entry(path_or_file, manifest_format: int = MANIFEST_FORMAT) -> dict:
+    """The manifest entry (`entry`) of a file, read in chunks (a shard may be larger than the
+    memory one would spare for it): a path, or a binary file object."""
+    if isinstance(path_or_file, str):
+        with open(path_or_file, "rb") as f:
+            return file_entry(f, manifest_format)
+    size, crc32, sha256 = 0, 0, hashlib.sha256()
+    while chunk := path_or_file.read(READ_CHUNK_BYTES):
+        size += len(chunk)
+        if manifest_format == 1:
+            sha256.update(chunk)
+        else:
+            crc32 = zlib.crc32(chunk, crc32)
+    if manifest_format == 1:
+        return {"size": size, "sha256": sha256.hexdigest()}
+    return {"size": size, "crc32": crc32}
 
 
 def commit(directory: str, files: dict[str, dict]) -> None:
@@ -182,9 +205,22 @@ def check_contents(
         except OSError:
             raise CheckpointError(f"{where}: incomplete checkpoint ({name} is missing)") from None
         if entry(data, listed["format"]) != listed["files"][name]:
-            raise CheckpointError(f"{where}: incomplete checkpoint ({name} does not match {MANIFEST_FILE})")
+            raise CheckpointError(_differs(where, name))
         contents[name] = data
     return contents
+
+
+def check_streamed(where: str, listed: dict, open_file: Callable[[str], BinaryIO], names: list[str]) -> None:
+    """As `check_contents` (after `check_sizes`: every file is there), each file read in chunks
+    and kept nowhere: a sharded checkpoint's shards, which may be large."""
+    for name in names:
+        with open_file(name) as f:
+            if file_entry(f, listed["format"]) != listed["files"][name]:
+                raise CheckpointError(_differs(where, name))
+
+
+def _differs(where: str, name: str) -> str:
+    return f"{where}: incomplete checkpoint ({name} does not match {MANIFEST_FILE})"
 
 
 def check_sizes(where: str, listed: dict, size: Callable[[str], int]) -> None:

@@ -12,6 +12,7 @@ rename away).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -72,28 +73,42 @@ class CheckpointStore:
         A stale attempt at the trial (`distributed.fence`) writes nothing, and commits nothing when a
         later attempt claimed the trial while it was writing."""
         fence.check(self.uri(state.step))
-        name = checkpoint_name(state.step)
-        final = posixpath.join(self.path, name)
-        if self.local:
-            partial = posixpath.join(self.path, f"{PARTIAL}{name}-{uuid.uuid4().hex[:8]}")
-            checkpoint.save(state, partial, metrics)
-            fence.check(self.uri(state.step))  # a stale attempt commits nothing
-            if os.path.exists(final):  # a re-save of the same step after a resume
-                self._delete(name)
-            os.rename(partial, final)
-        else:
-            with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
-                checkpoint.save(state, tmp, metrics)
-                fence.check(self.uri(state.step))
-                self.fs.makedirs(final, exist_ok=True)
-                self.fs.put_file(os.path.join(tmp, checkpoint.STATE_FILE), f"{final}/{checkpoint.STATE_FILE}")
-                self.fs.put_file(os.path.join(tmp, checkpoint.META_FILE), f"{final}/{checkpoint.META_FILE}")
-                fence.check(self.uri(state.step))  # the manifest commits it
-                self.fs.put_file(
-                    os.path.join(tmp, checkpoint.MANIFEST_FILE), f"{final}/{checkpoint.MANIFEST_FILE}"
-                )
+        with self.staging(state.step, uuid.uuid4().hex[:8]) as folder:
+            checkpoint.save(state, folder, metrics)
+            self.publish(state.step, folder)
         self._retain()
         return self.uri(state.step)
+
+    @contextlib.contextmanager
+    def staging(self, step: int, tag: str):
+        """Where the checkpoint of `step` is written before `publish`: locally a hidden folder
+        beside it (named by `tag`: every rank of a sharded save writes into the same one),
+        renamed into place; on an object store a temporary local folder, uploaded."""
+        if self.local:
+            yield posixpath.join(self.path, f"{PARTIAL}{checkpoint_name(step)}-{tag}")
+            return
+        with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
+            yield tmp
+
+    def publish(self, step: int, folder: str) -> None:
+        """Put the checkpoint committed in `folder` in place as the one of `step`, unless a later
+        attempt claimed the trial meanwhile (a stale attempt commits nothing). Locally the
+        `staging` folder is renamed into place, whole at once; on an object store its files are
+        uploaded, the manifest last: until it is there, the checkpoint is not selectable."""
+        name, uri = checkpoint_name(step), self.uri(step)
+        final = posixpath.join(self.path, name)
+        fence.check(uri)
+        if self.local:
+            if os.path.exists(final):  # a re-save of the same step after a resume
+                self._delete(name)
+            os.rename(folder, final)
+            return
+        self.fs.makedirs(final, exist_ok=True)
+        for part in (checkpoint.STATE_FILE, checkpoint.META_FILE):
+            self.fs.put_file(os.path.join(folder, part), f"{final}/{part}")
+        fence.check(uri)
+        manifest = checkpoint.MANIFEST_FILE
+        self.fs.put_file(os.path.join(folder, manifest), f"{final}/{manifest}")
 
     def complete(self) -> list[tuple[str, dict]]:
         """(URI, meta) of every selectable checkpoint, by step."""

@@ -25,10 +25,8 @@ number of ranks that wrote it (resharding), into the live model and optimizer.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
-import tempfile
 import uuid
 import warnings
 
@@ -41,8 +39,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as Fsspec
 from service.core import storage
 from service.core.errors import CheckpointError
 from service.distributed import checkpoint, fence, sharding
-from service.distributed.checkpoint import MANIFEST_FILE, META_FILE, STATE_FILE, TrialState
-from service.distributed.checkpoint_store import PARTIAL, CheckpointStore, as_dtensors
+from service.distributed.checkpoint import STATE_FILE, TrialState
+from service.distributed.checkpoint_store import CheckpointStore, as_dtensors
 from service.study.layout import checkpoint_name
 
 SHARDS_DIR = "model"
@@ -66,26 +64,21 @@ class ShardedCheckpointStore(CheckpointStore):
     def save(self, state: TrialState, metrics: dict) -> str:
         """Write every rank's shards of `state.model` / `state.optimizer` (this rank's part of
         `state_dicts`), then rank 0 commits and prunes. Returns the checkpoint's URI."""
-        uri = self.uri(state.step)
-        fence.check(uri)
-        name = checkpoint_name(state.step)
+        fence.check(self.uri(state.step))
         tag = _broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None, self.group)
-        if self.local:
-            folder = posixpath.join(self.path, f"{PARTIAL}{name}-{tag}")
+        with self.staging(state.step, tag) as folder:
             entries = self._write_shards(state, folder)
-        else:
-            with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
-                entries = self._write_shards(state, tmp)
-                fence.check(uri)
+            if not self.local:  # each rank uploads its own shards
+                fence.check(self.uri(state.step))
+                final = posixpath.join(self.path, checkpoint_name(state.step))
                 for relative in entries:
-                    self.fs.put_file(os.path.join(tmp, relative), f"{self.path}/{name}/{relative}")
-            folder = None
+                    self.fs.put_file(os.path.join(folder, relative), f"{final}/{relative}")
         everyone = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, entries, group=self.group)
+        dist.all_gather_object(everyone, entries, group=self.group)  # every rank's files are durable
         if self.rank == 0:
-            self._commit(state, metrics, name, folder, {k: v for e in everyone for k, v in e.items()})
+            self._commit(state, metrics, tag, {k: v for e in everyone for k, v in e.items()})
             self._retain()
-        return uri
+        return self.uri(state.step)
 
     def _write_shards(self, state: TrialState, folder: str) -> dict[str, dict]:
         """This rank's DCP files in `folder/model/`: {path relative to folder: size and CRC-32}."""
@@ -99,30 +92,17 @@ class ShardedCheckpointStore(CheckpointStore):
         mine = [n for n in os.listdir(shards) if n.startswith(f"__{self.rank}_")]
         if self.rank == 0:
             mine.append(DCP_METADATA)
-        return {f"{SHARDS_DIR}/{n}": _file_entry(os.path.join(shards, n)) for n in sorted(mine)}
+        return {f"{SHARDS_DIR}/{n}": checkpoint.file_entry(os.path.join(shards, n)) for n in sorted(mine)}
 
-    def _commit(self, state: TrialState, metrics: dict, name: str, folder: str | None, shards: dict) -> None:
+    def _commit(self, state: TrialState, metrics: dict, tag: str, shards: dict) -> None:
         """Rank 0: state.pt (without model and optimizer) and meta.json, then the manifest of
         them and every rank's shards, which commits the checkpoint."""
         rest = TrialState(
             state.step, {}, {}, state.rng_states, state.history, state.hparams, state.scaler, SHARDS_DIR
         )
-        final = posixpath.join(self.path, name)
-        with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
-            staging = folder or tmp
-            files = {**shards, STATE_FILE: checkpoint.save_state(rest, staging)}
-            meta = json.dumps({"step": state.step, "metrics": metrics}).encode()
-            checkpoint.write_atomic(staging, META_FILE, meta)
-            files[META_FILE] = checkpoint.entry(meta)
-            checkpoint.commit(staging, files)
-            fence.check(self.uri(state.step))  # a stale attempt commits nothing
-            if folder is not None:  # local: the whole folder appears at once
-                if os.path.exists(final):  # a re-save of the same step after a resume
-                    self._delete(name)
-                os.rename(folder, final)
-                return
-            for part in (STATE_FILE, META_FILE, MANIFEST_FILE):  # the manifest last: it commits
-                self.fs.put_file(os.path.join(tmp, part), f"{final}/{part}")
+        with self.staging(state.step, tag) as folder:  # locally, the folder the shards are in
+            checkpoint.save(rest, folder, metrics, beside=shards)
+            self.publish(state.step, folder)
 
     def latest_state(self) -> TrialState | None:
         """The newest checkpoint that verifies on every rank (older ones are tried when the
@@ -144,22 +124,25 @@ def _broadcast(value, group):
     return box[0]
 
 
-def _file_entry(path: str) -> dict:
-    with open(path, "rb") as f:
-        return checkpoint.entry(f.read())
-
-
 def load_state(uri: str, rank: int = 0, world: int = 1, group=None) -> TrialState:
-    """The state of the committed checkpoint at `uri` (whole or sharded) after every rank has
-    verified its share of the files and they all agree; a sharded one's model and optimizer
-    are read with `load_shards`."""
-    read = _reader_of(uri)
+    """The state of the committed checkpoint at `uri` (whole or sharded) once every rank has
+    verified its share of the files (`verify`); a sharded one's model and optimizer are then
+    read with `load_shards`."""
+    verify(uri, rank, world, group)
+    return checkpoint.load_verified(uri, _reader_of(uri), only=[STATE_FILE])
+
+
+def verify(uri: str, rank: int = 0, world: int = 1, group=None) -> None:
+    """Every file of the checkpoint at `uri` is there with its size (checked on every rank) and
+    its CRC-32 (each rank reads its share, in chunks); every rank of `group` raises the same
+    one-line CheckpointError, naming the file, when any rank found one wrong."""
     error = None
     try:
-        listed = checkpoint.manifest(uri, read)
+        listed = checkpoint.manifest(uri, _reader_of(uri))
         checkpoint.check_sizes(uri, listed, lambda name: storage.size(storage.join(uri, name)))
         names = sorted(n for n in listed["files"] if n != STATE_FILE)  # state.pt: every rank reads it
-        checkpoint.check_contents(uri, listed, read, names[rank::world])
+        mine = names[rank::world] if world > 1 else [*names, STATE_FILE]
+        checkpoint.check_streamed(uri, listed, lambda name: storage.open_read(storage.join(uri, name)), mine)
     except CheckpointError as e:
         error = str(e)
     errors = [error]
@@ -169,7 +152,6 @@ def load_state(uri: str, rank: int = 0, world: int = 1, group=None) -> TrialStat
     first = next((e for e in errors if e), None)
     if first:
         raise CheckpointError(first)
-    return checkpoint.load_verified(uri, read, only=[STATE_FILE])
 
 
 def _reader_of(uri: str):
