@@ -204,3 +204,36 @@ def test_sharded_checkpoints_on_gcs_resume_to_the_same_result(trial, gcs_emulato
     after = run_gloo(train_rank, 2, tmp_path / "again", remote)[0]["metrics"]
     assert [r["step"] for r in before + after] == [4, 8, 12]
     assert [without_timing(r) for r in before + after] == [without_timing(r) for r in rows]
+
+
+def save_after_a_later_attempt(rank: int, world: int, trial_uri: str) -> str:
+    """Every rank holds attempt 1; then attempt 2 claims the trial (another worker group): the
+    sharded save of attempt 1 is refused on every rank, before any shard is written."""
+    import torch.distributed as dist
+
+    from service.distributed import fence
+    from service.distributed.checkpoint import TrialState
+    from service.distributed.sharded import ShardedCheckpointStore
+
+    box = [fence.claim(trial_uri) if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    fence.hold(box[0])
+    store = ShardedCheckpointStore(trial_uri, 2, "validation/loss", "min", rank)
+    dist.barrier()
+    if rank == 0:
+        later = fence.claim(trial_uri)  # what a restarted group's rank 0 does
+        fence.hold(box[0])  # this process still holds the stale attempt
+        assert later.attempt == 2
+    dist.barrier()
+    try:
+        store.save(TrialState(4, {"w": torch.zeros(2)}, {}), {"step": 4})
+    except fence.StaleAttemptError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_superseded_worker_group_writes_no_shard(tmp_path):
+    trial = tmp_path / "trial"
+    messages = run_gloo(save_after_a_later_attempt, 2, tmp_path, str(trial))
+    assert all("superseded by attempt 2" in m for m in messages), messages
+    assert not [p for p in trial.rglob("*") if "checkpoint" in p.name or p.suffix == ".distcp"]

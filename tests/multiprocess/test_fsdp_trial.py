@@ -126,3 +126,22 @@ def test_a_cut_fsdp_trial_resumes_from_its_sharded_checkpoint_bitwise(text_dir, 
         return {p.name: p.read_bytes() for p in folder.glob("__*.distcp")}
 
     assert len(shards(full_plan)) == 2 and shards(cut_plan) == shards(full_plan)
+
+
+def test_an_fsdp_trial_that_diverges_stops_on_every_rank_at_the_same_step(text_dir, tmp_path):
+    """A learning rate that overflows: every rank reports DIVERGED at the first eval point after
+    the first non-finite loss, at the step the DDP trial diverges at, and nothing is checkpointed
+    after it."""
+    hparams = {**lm_plan(text_dir, tmp_path).hparams, "learning_rate": 1e30}
+    rows = {}
+    for strategy in ("ddp", "fsdp"):
+        plan = lm_plan(
+            text_dir, tmp_path / strategy, strategy, hparams=hparams, schedule={"kind": "constant"}
+        )
+        rows[strategy] = run(plan, tmp_path / strategy)
+    last = rows["fsdp"][-1]
+    assert last["status"] == "diverged" and last["step"] < 12
+    assert [(r["step"], r["status"]) for r in rows["fsdp"]] == [(r["step"], r["status"]) for r in rows["ddp"]]
+    assert last["diverged_at_step"] == rows["ddp"][-1]["diverged_at_step"]
+    kept = sorted(p.name for p in pathlib.Path(plan.trial_uri).glob("checkpoint_*"))
+    assert all(int(name.split("_")[1]) < last["step"] for name in kept), kept
