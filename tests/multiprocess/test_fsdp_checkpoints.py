@@ -13,6 +13,7 @@ import pathlib
 import shutil
 from contextlib import redirect_stderr
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -27,7 +28,7 @@ from service.data.loader import eval_batches
 from service.data.sharding import row_ranges
 from service.distributed import sharded, sharding
 from service.distributed.topology import Topology
-from service.evaluation.offline import evaluate_checkpoint
+from service.evaluation.offline import evaluate_checkpoint, predictions_uri
 from service.evaluation.run import evaluate
 from service.study import spec
 from tests.helpers.fsdp_runs import LM_HPARAMS, SEQ_LEN, lm_plan, train_rank
@@ -126,6 +127,11 @@ def test_offline_evaluation_on_any_number_of_ranks_is_the_trials_own(trial, tmp_
         result = run_gloo(evaluate_on, world, tmp_path, str(ckpt))[0]
     assert result["count"] == rows[-1]["validation/count"]
     assert result["loss"] == rows[-1]["validation/loss"]  # the same weights, the same per-example values
+    # One prediction per validation sequence, in the trial's (its ranks in lockstep, padded with
+    # zero-weight batches) and offline: the padding adds no row.
+    for uri in (plan.predictions_uri("validation", 12), predictions_uri(str(ckpt), "validation")):
+        ids = pq.read_table(uri).column("example_id").to_pylist()
+        assert len(ids) == len(set(ids)) == result["count"], uri
 
 
 def plain_validation_loss(state_dict: dict, plan) -> float:
