@@ -1,7 +1,7 @@
 """An FSDP trial on Ray Train (2 workers, lm) whose rank 1 is SIGKILLed once a sharded checkpoint
 is committed: Ray Train restarts the worker group, every rank reads its part of the latest
-sharded checkpoint, and the trial ends bitwise equal to the uninterrupted one (every evaluation
-without timings, the last checkpoint's shard files byte for byte)."""
+sharded checkpoint, and the trial ends bitwise equal to the uninterrupted one, trained by gloo
+processes (every evaluation without timings, the last checkpoint's shard files byte for byte)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 
 from service.data import text
 from service.distributed.checkpoint_store import CheckpointStore
-from tests.helpers.fsdp_runs import SEQ_LEN, lm_plan
+from tests.helpers.fsdp_runs import SEQ_LEN, lm_plan, train_rank
+from tests.helpers.gloo import run_gloo
 from tests.helpers.trainer_runs import read_log, without_timing
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -44,9 +45,6 @@ def test_a_killed_fsdp_worker_resumes_from_its_sharded_checkpoint_bitwise(ray_cl
     from service.orchestration import launch
 
     text.write_text(str(tmp_path / "text"), 20_000, SEQ_LEN)
-    reference = plan_in(tmp_path / "text", tmp_path / "reference")
-    launch.run_single(reference)
-
     plan = plan_in(tmp_path / "text", tmp_path / "killed")
     runner = threading.Thread(target=launch.run_single, args=(plan,))
     runner.start()
@@ -59,6 +57,9 @@ def test_a_killed_fsdp_worker_resumes_from_its_sharded_checkpoint_bitwise(ray_cl
             os.kill(pid, signal.SIGKILL)
             killed_after, persisted = read_log(plan)[-1]["step"], committed[-1][1]["step"]
         time.sleep(0.05)
+    reference = plan_in(tmp_path / "text", tmp_path / "reference")
+    (tmp_path / "gloo").mkdir()
+    run_gloo(train_rank, 2, tmp_path / "gloo", reference, None, True)  # while the trial resumes
     runner.join(timeout=300)
     assert killed_after is not None and killed_after < STEPS, "rank 1 was never killed mid-run"
 

@@ -93,24 +93,27 @@ def same_as_torch(model, optimizer) -> bool:
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_each_rank_holds_about_a_1_over_n_share(trial, tmp_path, world):
+def test_each_rank_holds_about_a_1_over_n_share(trial, tmp_path):
+    """At 2 and 4 ranks, against a DDP rank (whole copies: the same bytes at any world size)."""
     plan, _, _ = trial
     text_dir = pathlib.Path(plan.study.data.train).parent
     per_rank = {}
-    for strategy in ("ddp", "fsdp"):
-        p = lm_plan(text_dir, tmp_path / strategy, strategy, workers=world)
-        (tmp_path / strategy).mkdir()
-        per_rank[strategy] = run_gloo(one_step_bytes, world, tmp_path / strategy, p)
+    for strategy, world in (("ddp", 2), ("fsdp", 2), ("fsdp", 4)):
+        folder = tmp_path / f"{strategy}-{world}"
+        folder.mkdir()
+        p = lm_plan(text_dir, folder, strategy, workers=world)
+        per_rank[strategy, world] = run_gloo(one_step_bytes, world, folder, p)
     whole = {n: p.numel() for n, p in workloads.get("lm").build_model(LM_HPARAMS).named_parameters()}
-    assert per_rank["ddp"][0]["numels"] == whole
-    assert all(r["as_torch_makes_them"] for r in per_rank["ddp"] + per_rank["fsdp"])
-    for name, numel in whole.items():  # uneven dimensions: every element on exactly one rank
-        assert sum(r["numels"][name] for r in per_rank["fsdp"]) == numel, name
-    for part in ("params", "grads", "optimizer"):
-        ddp = per_rank["ddp"][0][part]
-        for r in per_rank["fsdp"]:
-            assert r[part] / ddp <= 1 / world + 0.05, (part, r[part], ddp)
+    ddp = per_rank["ddp", 2][0]
+    assert ddp["numels"] == whole
+    for world in (2, 4):
+        fsdp = per_rank["fsdp", world]
+        assert all(r["as_torch_makes_them"] for r in per_rank["ddp", 2] + fsdp)
+        for name, numel in whole.items():  # uneven dimensions: every element on exactly one rank
+            assert sum(r["numels"][name] for r in fsdp) == numel, (world, name)
+        for part in ("params", "grads", "optimizer"):
+            for r in fsdp:
+                assert r[part] / ddp[part] <= 1 / world + 0.05, (world, part, r[part], ddp[part])
 
 
 def evaluate_on(rank: int, world: int, checkpoint: str) -> dict:
@@ -156,35 +159,44 @@ def test_the_exported_file_loads_into_the_plain_model_and_reproduces_the_trial(t
     assert all(torch.equal(read_back[k], weights[k]) for k in weights)
 
 
-def load_on(rank: int, world: int, checkpoint: str) -> str:
-    try:
-        sharded.load_state(checkpoint, rank, world)
-    except CheckpointError as e:
-        return str(e)
-    return "loaded"
+def load_on(rank: int, world: int, checkpoints: list[str]) -> list[str]:
+    """What loading each checkpoint says on this rank."""
+    messages = []
+    for uri in checkpoints:
+        try:
+            sharded.load_state(uri, rank, world)
+            messages.append("loaded")
+        except CheckpointError as e:
+            messages.append(str(e))
+    return messages
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
-def test_a_checkpoint_with_a_bad_shard_is_refused_naming_it(trial, tmp_path, damage):
+DAMAGES = {"missing": "is missing", "truncated": "bytes", "flipped": "does not match"}
+"""A shard deleted, cut to half, one byte changed: what the refusal says of each."""
+
+
+def test_a_checkpoint_with_a_bad_shard_is_refused_naming_it(trial, tmp_path):
     _, _, ckpt = trial
-    copy = tmp_path / "checkpoint_00000012"
-    shutil.copytree(ckpt, copy)
-    shard = copy / "model" / "__1_0.distcp"
-    data = shard.read_bytes()
-    if damage == "missing":
-        shard.unlink()
-    elif damage == "truncated":
-        shard.write_bytes(data[: len(data) // 2])
-    else:
-        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
-    messages = run_gloo(load_on, 2, tmp_path, str(copy))
-    assert messages[0] == messages[1] and "model/__1_0.distcp" in messages[0], messages
-    assert {"missing": "is missing", "truncated": "bytes", "flipped": "does not match"}[damage] in messages[0]
-    stderr = io.StringIO()
-    with redirect_stderr(stderr):
-        code = main(["export", str(copy), "--out", str(tmp_path / "model.pt")])
-    assert code == 2 and not (tmp_path / "model.pt").exists()
-    assert stderr.getvalue().count("\n") == 1 and "model/__1_0.distcp" in stderr.getvalue()
+    copies = {}
+    for damage in DAMAGES:
+        copies[damage] = tmp_path / damage / "checkpoint_00000012"
+        shutil.copytree(ckpt, copies[damage])
+        shard = copies[damage] / "model" / "__1_0.distcp"  # checked by rank 1 (the ranks share the reads)
+        data = shard.read_bytes()
+        if damage == "missing":
+            shard.unlink()
+        elif damage == "truncated":
+            shard.write_bytes(data[: len(data) // 2])
+        else:
+            shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    messages = run_gloo(load_on, 2, tmp_path, [str(c) for c in copies.values()])
+    for (damage, said), rank0, rank1 in zip(DAMAGES.items(), *messages, strict=True):
+        assert rank0 == rank1 and "model/__1_0.distcp" in rank0 and said in rank0, (damage, rank0, rank1)
+        stderr = io.StringIO()
+        with redirect_stderr(stderr):
+            code = main(["export", str(copies[damage]), "--out", str(tmp_path / "model.pt")])
+        assert code == 2 and not (tmp_path / "model.pt").exists()
+        assert stderr.getvalue().count("\n") == 1 and "model/__1_0.distcp" in stderr.getvalue()
 
 
 def test_a_trial_whose_newest_checkpoint_lost_a_shard_resumes_from_the_one_before(trial, tmp_path):

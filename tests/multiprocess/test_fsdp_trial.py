@@ -29,6 +29,16 @@ def text_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def reference(text_dir, tmp_path_factory):
+    """The plain lm trial (AdamW, fp32) under each strategy, run once for the module: the
+    fsdp one's plan and rows, and the ddp one's rows."""
+    root = tmp_path_factory.mktemp("reference")
+    plans = {s: lm_plan(text_dir, root / s, s) for s in ("ddp", "fsdp")}
+    rows = {s: run(plan, root / s) for s, plan in plans.items()}
+    return plans["fsdp"], rows["fsdp"], rows["ddp"]
+
+
 def run(plan, tmp: pathlib.Path, world: int = 2, stop_after=None, async_save=False) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
     return run_gloo(train_rank, world, tmp, plan, stop_after, async_save)[0]["metrics"]
@@ -41,48 +51,43 @@ def assert_close_rows(rows, reference, rel, keys=COMPARED):
             assert row[key] == pytest.approx(ref[key], rel=rel), (row["step"], key)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"microbatch_size": 2, "optimizer": "nesterov", "hparams": {"grad_clip_norm": 1.6, "momentum": 0.9}},
-    ],
-    ids=["adamw", "clipped-microbatches-nesterov"],
-)
-def test_an_lm_trial_under_fsdp_equals_ddp_at_every_evaluation(text_dir, tmp_path, options):
-    options = dict(options)
-    hparams = {**lm_plan(text_dir, tmp_path).hparams, **options.pop("hparams", {})}
+def test_an_lm_trial_under_fsdp_equals_ddp_at_every_evaluation(reference):
+    _, fsdp, ddp = reference
+    assert_close_rows(fsdp, ddp, FP32_REL)
+
+
+def test_clipping_microbatches_and_nesterov_under_fsdp_equal_ddp(text_dir, tmp_path):
+    """Clipping by the global norm bites on some steps, not all: the norm is the whole model's."""
+    options = {"microbatch_size": 2, "optimizer": "nesterov"}
+    hparams = {**lm_plan(text_dir, tmp_path).hparams, "grad_clip_norm": 1.6, "momentum": 0.9}
     rows = {
-        strategy: run(
-            lm_plan(text_dir, tmp_path / strategy, strategy, hparams=hparams, **options), tmp_path / strategy
-        )
-        for strategy in ("ddp", "fsdp")
+        s: run(lm_plan(text_dir, tmp_path / s, s, hparams=hparams, **options), tmp_path / s)
+        for s in ("ddp", "fsdp")
     }
     assert_close_rows(rows["fsdp"], rows["ddp"], FP32_REL)
-    if "grad_clip_norm" in hparams:  # clipping bites on some steps, not all: the norm is the whole model's
-        fractions = {r["train/clipped_fraction"] for r in rows["fsdp"]}
-        assert fractions - {0.0} and fractions - {1.0}, fractions
+    fractions = {r["train/clipped_fraction"] for r in rows["fsdp"]}
+    assert fractions - {0.0} and fractions - {1.0}, fractions
 
 
-def test_microbatches_under_fsdp_reduce_the_gradients_once_per_step(text_dir, tmp_path):
+def test_microbatches_under_fsdp_reduce_the_gradients_once_per_step(text_dir, tmp_path, reference):
     """2 microbatches of 2 rows per rank: at the second one's forward no shard holds a gradient
     yet (nothing reduce-scattered), and the trial equals the one without microbatches."""
-    options = {"workload": "tests.helpers.fsdp_runs:GradSeenLM"}
-    whole = run(trial_plan_of(text_dir, tmp_path / "whole", **options), tmp_path / "whole")
-    plan = trial_plan_of(text_dir, tmp_path / "micro", microbatch_size=2, **options)
+    plan = trial_plan_of(
+        text_dir, tmp_path / "micro", "tests.helpers.fsdp_runs:GradSeenLM", microbatch_size=2
+    )
     (tmp_path / "micro").mkdir()
     result = run_gloo(train_rank, 2, tmp_path / "micro", plan)[0]
     first_steps = result["seen"][:8]  # the 2 forwards of each of steps 1-4 (then the evaluation's)
     assert first_steps == [False, False] * 4, first_steps
-    assert_close_rows(result["metrics"], whole, FP32_REL)
+    assert_close_rows(result["metrics"], reference[1], FP32_REL)
 
 
 def trial_plan_of(text_dir, storage, workload, **training):
     return trial_plan(workload, text_dir, storage, "fsdp", 2, LM_HPARAMS, None, **training)
 
 
-def test_bf16_under_fsdp_is_within_the_stated_tolerance_of_fp32(text_dir, tmp_path):
-    fp32 = run(lm_plan(text_dir, tmp_path / "ddp", "ddp"), tmp_path / "ddp")
+def test_bf16_under_fsdp_is_within_the_stated_tolerance_of_fp32(text_dir, tmp_path, reference):
+    fp32 = reference[2]
     bf16 = run(lm_plan(text_dir, tmp_path / "bf16", precision="bf16"), tmp_path / "bf16")
     assert_close_rows(bf16, fp32, BF16_REL, keys=("train/loss", "validation/loss"))
     assert [r["validation/loss"] for r in bf16] != [r["validation/loss"] for r in fp32]  # bf16 did run
@@ -110,12 +115,11 @@ def test_hsdp_over_two_replicas_of_two_shards_equals_ddp_on_four_ranks(text_dir,
     assert_close_rows(hsdp, ddp, FP32_REL)
 
 
-def test_a_cut_fsdp_trial_resumes_from_its_sharded_checkpoint_bitwise(text_dir, tmp_path):
+def test_a_cut_fsdp_trial_resumes_from_its_sharded_checkpoint_bitwise(text_dir, tmp_path, reference):
     """Cut after the step-8 evaluation (its checkpoint saved in the background), then rerun:
     every later evaluation and the last checkpoint's shards are those of the uninterrupted run."""
-    full_plan = lm_plan(text_dir, tmp_path / "full", async_checkpoint=True)
-    full = run(full_plan, tmp_path / "full", async_save=True)
-    cut_plan = lm_plan(text_dir, tmp_path / "cut", async_checkpoint=True)
+    full_plan, full, _ = reference
+    cut_plan = lm_plan(text_dir, tmp_path / "cut")
     before = run(cut_plan, tmp_path / "cut" / "first", stop_after=2, async_save=True)
     after = run(cut_plan, tmp_path / "cut" / "again", async_save=True)
     assert [r["step"] for r in before] == [4, 8] and [r["step"] for r in after] == [12]
