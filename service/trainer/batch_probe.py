@@ -215,5 +215,8 @@ def free_memory(device: torch.device) -> None:
 
 
 def single_worker(scaling: Scaling) -> Scaling:
-    """The resources of one of the study's workers (what the probe reserves on a cluster)."""
-    return dataclasses.replace(scaling, num_hosts=1, workers_per_host=1)
+    """The resources of one of the study's workers (what the probe reserves on a cluster); its
+    model whole (under fsdp too: one worker has nothing to shard over)."""
+    return dataclasses.replace(
+        scaling, num_hosts=1, workers_per_host=1, strategy="ddp", shard_group_size=None
+    )
