@@ -12,6 +12,7 @@ from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
+from service.workloads.base import no_weight_decay_groups
 from service.workloads.lm import LanguageModel
 
 SEQ_LEN = 24
@@ -125,3 +126,12 @@ class GradSeenLM(LanguageModel):
 
 
 SEEN: list[bool] = []
+
+
+class DecayGroupsLM(LanguageModel):
+    """The `lm` workload with two parameter groups: matrices decayed, biases and norms not."""
+
+    name = "decay_groups_lm"
+
+    def param_groups(self, model, hparams):
+        return no_weight_decay_groups(model)

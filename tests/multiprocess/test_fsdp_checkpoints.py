@@ -8,6 +8,7 @@ refused naming the file, by every rank alike, and a trial resumes from the newes
 from __future__ import annotations
 
 import io
+import json
 import os
 import pathlib
 import shutil
@@ -255,3 +256,20 @@ def test_a_superseded_worker_group_writes_no_shard(tmp_path):
     messages = run_gloo(save_after_a_later_attempt, 2, tmp_path, str(trial))
     assert all("superseded by attempt 2" in m for m in messages), messages
     assert not [p for p in trial.rglob("*") if "checkpoint" in p.name or p.suffix == ".distcp"]
+
+
+def test_a_sharded_checkpoint_resumes_a_trial_on_another_number_of_workers(trial, tmp_path, capfd):
+    """Cut after step 8 on 2 ranks, rerun on 4 (a layout change): every rank reads its part of
+    the 2-rank shards, the trial goes on from step 8 and finishes; the ranks' random draws cannot
+    continue as before, which rank 0 says."""
+    plan, _, _ = trial
+    text_dir = pathlib.Path(plan.study.data.train).parent
+    two = lm_plan(text_dir, tmp_path / "storage")
+    four = lm_plan(text_dir, tmp_path / "storage", workers=4)
+    (tmp_path / "first").mkdir(), (tmp_path / "again").mkdir()
+    run_gloo(train_rank, 2, tmp_path / "first", two, 2)
+    again = run_gloo(train_rank, 4, tmp_path / "again", four)[0]["metrics"]
+    assert [r["step"] for r in again] == [12]
+    with open(four.topology_uri) as f:
+        assert {r["resumed_from_step"] for r in json.load(f)["ranks"]} == {8}
+    assert "resumed on 4 ranks from a checkpoint of 2" in capfd.readouterr().out

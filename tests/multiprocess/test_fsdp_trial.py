@@ -56,14 +56,17 @@ def test_an_lm_trial_under_fsdp_equals_ddp_at_every_evaluation(reference):
     assert_close_rows(fsdp, ddp, FP32_REL)
 
 
-def test_clipping_microbatches_and_nesterov_under_fsdp_equal_ddp(text_dir, tmp_path):
-    """Clipping by the global norm bites on some steps, not all: the norm is the whole model's."""
+def test_clipping_microbatches_nesterov_and_parameter_groups_under_fsdp_equal_ddp(text_dir, tmp_path):
+    """Clipping by the global norm bites on some steps, not all (the norm is the whole model's);
+    the workload's parameter groups (decay on matrices only) group the shards as the whole
+    parameters."""
+    workload = "tests.helpers.fsdp_runs:DecayGroupsLM"
     options = {"microbatch_size": 2, "optimizer": "nesterov"}
-    hparams = {**lm_plan(text_dir, tmp_path).hparams, "grad_clip_norm": 1.6, "momentum": 0.9}
-    rows = {
-        s: run(lm_plan(text_dir, tmp_path / s, s, hparams=hparams, **options), tmp_path / s)
-        for s in ("ddp", "fsdp")
-    }
+    hparams = {**LM_HPARAMS, "grad_clip_norm": 1.6, "momentum": 0.9, "weight_decay": 0.1}
+    rows = {}
+    for s in ("ddp", "fsdp"):
+        plan = trial_plan(workload, text_dir, tmp_path / s, s, 2, hparams, None, **options)
+        rows[s] = run(plan, tmp_path / s)
     assert_close_rows(rows["fsdp"], rows["ddp"], FP32_REL)
     fractions = {r["train/clipped_fraction"] for r in rows["fsdp"]}
     assert fractions - {0.0} and fractions - {1.0}, fractions
