@@ -23,16 +23,20 @@ import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.tensor import DTensor
 
 from service.core import storage
 from service.core.ranking import rank
 from service.distributed import checkpoint, fence
 from service.distributed.checkpoint import TrialState
+from service.distributed.sharding import is_dtensor
 from service.study.layout import CHECKPOINT_PREFIX, TrialLayout, checkpoint_name
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 PARTIAL = ".partial-"
 
@@ -178,7 +182,7 @@ def snapshot(state: TrialState, buffers: dict | None = None) -> TrialState:
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor), copied at the end
 
     def copy(v, key: tuple):
-        if isinstance(v, DTensor):  # a shard: its local part copied (a DTensor again off the loop's path)
+        if is_dtensor(v):  # a shard: its local part copied (a DTensor again off the loop's path)
             # The local tensor itself: `to_local()` returns a view of it through an autograd
             # Function, ~10 us a tensor, which a model of a few hundred tensors pays per checkpoint.
             return LocalShard(copy(v._local_tensor, key), v)
@@ -227,7 +231,7 @@ class LocalShard:
 
     def dtensor(self) -> DTensor:
         like = self.like
-        return DTensor.from_local(
+        return type(like).from_local(
             self.local,
             like.device_mesh,
             like.placements,

@@ -31,10 +31,7 @@ import uuid
 import warnings
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 
 from service.core import storage
 from service.core.errors import CheckpointError
@@ -82,11 +79,13 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def _write_shards(self, state: TrialState, folder: str) -> dict[str, dict]:
         """This rank's DCP files in `folder/model/`: {path relative to folder: size and CRC-32}."""
+        import torch.distributed.checkpoint as dcp  # imported where it is used: see `sharding`
+
         shards = os.path.join(folder, SHARDS_DIR)
         os.makedirs(shards, exist_ok=True)
         dcp.save(
             as_dtensors({"model": state.model, "optimizer": state.optimizer}),  # from a snapshot too
-            storage_writer=FileSystemWriter(shards),
+            storage_writer=dcp.FileSystemWriter(shards),
             process_group=self.group,
         )
         mine = [n for n in os.listdir(shards) if n.startswith(f"__{self.rank}_")]
@@ -162,6 +161,8 @@ def load_shards(state: TrialState, model, optimizer=None) -> None:
     """Read a sharded checkpoint's model (and optimizer) into the live ones: this rank's shards
     of a sharded model, or the whole of a plain one in a single process (`playbook eval` on one
     worker, `playbook export`)."""
+    import torch.distributed.checkpoint as dcp
+
     model_sd, optim_sd = sharding.load_targets(model, optimizer)
     target = {"model": model_sd, **({"optimizer": optim_sd} if optimizer is not None else {})}
     single = not sharding.is_sharded(model)
@@ -171,8 +172,11 @@ def load_shards(state: TrialState, model, optimizer=None) -> None:
     sharding.load_state_dicts(model, optimizer, target["model"], target.get("optimizer", {}))
 
 
-def _dcp_reader(uri: str) -> FileSystemReader:
+def _dcp_reader(uri: str):
     """DCP's reader over the service's storage (any fsspec URI, gs:// included)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
     fs, path = storage.split(uri)
     if isinstance(fs, LocalFileSystem):
         return FileSystemReader(path)

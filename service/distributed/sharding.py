@@ -11,26 +11,40 @@ writes and reshards them)."""
 from __future__ import annotations
 
 import contextlib
+import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("replicate", "shard")
+
+# torch's FSDP, DTensor and DCP modules are imported where a model is sharded, not at import:
+# they take most of a second to import (sympy among them), which every trial process and
+# training worker would pay. Until something imported them, no model is sharded.
+
+
+def dtensor_type() -> type | None:
+    """torch's DTensor class once its module is imported (sharding a model imports it), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(value) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(value, cls)
 
 
 def device_mesh(device, shard_group_size: int | None = None) -> DeviceMesh:
     """Every rank of the default process group, as a 1-D mesh (FSDP) or, with a shard group
     smaller than the world, as (replicas, shard_group_size) with consecutive ranks in a group
     (HSDP: a host's workers hold consecutive world ranks, `topology.placement`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     world = dist.get_world_size()
     device_type = torch.device(device).type
     if shard_group_size is None or shard_group_size == world:
@@ -45,6 +59,8 @@ def shard_model(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, para
     unit), in place. `param_dtype` (bf16): parameters gathered in that dtype for forward and
     backward, gradients reduced in float32; the sharded parameters and the optimizer state
     stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
     )
@@ -57,7 +73,8 @@ def shard_model(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, para
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 @contextlib.contextmanager
@@ -106,6 +123,8 @@ def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> t
     """State dicts shaped as `state_dicts` saves them, for `torch.distributed.checkpoint.load`
     to fill: torch's `get_state_dict` for a sharded model, which first gives a fresh optimizer
     its state (zeros) so that every saved tensor has a place to go."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     if not is_sharded(model):
         return state_dicts(model, optimizer)
     if optimizer is None:
@@ -118,6 +137,8 @@ def load_state_dicts(
 ) -> None:
     """The inverse of `state_dicts` (for a sharded model: its shards, as `state_dicts` made
     them, filled by `torch.distributed.checkpoint.load`)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     if not is_sharded(model):
         model.load_state_dict(model_sd)
         if optimizer is not None:

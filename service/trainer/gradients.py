@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from service.distributed.sharding import is_dtensor
 
 FOREACH_DEVICES = ("cpu", "cuda")
 
@@ -46,7 +47,7 @@ class Gradients:
     def __init__(self, model: nn.Module, buffer: bool = True):
         """`buffer`: keep the gradients in one buffer where it can (see the module docstring)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        self.sharded = any(is_dtensor(p) for p in self.params)
         """FSDP's shards: every norm is taken over all ranks' shards (a collective)."""
         kinds = {(p.device, p.dtype) for p in self.params}
         self.fused = len(kinds) == 1 and next(iter(kinds))[0].type in FOREACH_DEVICES
@@ -126,7 +127,7 @@ class Gradients:
         return total
 
 
-def sharded_norm(grads: list[DTensor]) -> torch.Tensor:
+def sharded_norm(grads: list) -> torch.Tensor:
     """The global 2-norm of FSDP's sharded gradients: the 2-norm of this rank's shards (one
     foreach norm), squared, summed over the ranks of its shard group (one all-reduce), the square
     root. Replicas (HSDP's other dimension) hold copies, which are not summed. Taking the norm

@@ -1,8 +1,12 @@
 """Which modules FSDP shards as units (`Workload.shard_units`): by default every top-level child
 with parameters, a ModuleList's children in its place, a child sharing a parameter with another
-left to the root; the lm workload's are its transformer blocks."""
+left to the root; the lm workload's are its transformer blocks. And no process pays for FSDP's
+imports until it shards a model."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 from torch import nn
 
@@ -30,3 +34,15 @@ def test_the_lm_workloads_units_are_its_blocks():
     lm = workloads.get("lm")
     model = lm.build_model({"depth": 3, "width": 8, "heads": 2, "context": 8})
     assert lm.shard_units(model) == list(model.blocks) and len(model.blocks) == 3
+
+
+def test_no_process_imports_fsdp_until_it_shards_a_model():
+    """torch's FSDP, DTensor and DCP modules take most of a second to import: a trial process
+    or training worker that shards nothing (every ddp and one-worker trial) must not pay it."""
+    code = (
+        "import sys, service.trainer.loop, service.orchestration.launch, service.evaluation.offline; "
+        "print(sorted(m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
+        "'torch.distributed.checkpoint') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
