@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from bench.common import figure
+from bench.common import figure, tensors_of
 from service.distributed import checkpoint
 from service.distributed.checkpoint import TrialState
 from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore
@@ -48,7 +48,7 @@ def measure(width: int, root: str) -> dict:
     saver = AsyncCheckpointer(async_store)
     bare_dir = os.path.join(root, f"bare-{width}")
     os.makedirs(bare_dir)
-    tensors = list(_tensors(state.__dict__))
+    tensors = list(tensors_of(state.__dict__))
     buffers = [torch.empty_like(t) for t in tensors]
     bare, sync, stall, copy = [], [], [], []
     try:
@@ -128,17 +128,6 @@ def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
     for buf, tensor in zip(buffers, tensors, strict=True):
         buf.copy_(tensor)
     return time.perf_counter() - t
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, list | tuple):
-        for v in tree:
-            yield from _tensors(v)
 
 
 def run() -> dict:

@@ -339,6 +339,49 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def _gloo_rank(rank: int, world: int, init_file: str, out: str, fn: Callable, args: tuple) -> None:
+    import datetime
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
+    )
+    try:
+        result = fn(rank, world, *args)
+        gc.collect()  # DDP's reducers go before their process group, not at interpreter exit
+        dist.barrier()  # and no rank tears its group down while another still talks to it
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, f"{out}-{rank}.pt")
+
+
+def on_gloo_ranks(fn: Callable, world: int, root: str, *args) -> list:
+    """`fn(rank, world, *args)` in `world` spawned processes joined in one gloo group (one torch
+    thread each); each rank's result, by rank. `fn` must be a module-level function."""
+    import torch
+    import torch.multiprocessing as mp
+
+    out = os.path.join(root, f"gloo-{world}-{time.monotonic_ns()}")
+    mp.spawn(_gloo_rank, args=(world, out + ".init", out, fn, args), nprocs=world, join=True)
+    return [torch.load(f"{out}-{r}.pt", weights_only=False) for r in range(world)]
+
+
+def tensors_of(tree):
+    """Every tensor in a tree of dicts, lists and tuples."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict | list | tuple):
+        for v in tree.values() if isinstance(tree, dict) else tree:
+            yield from tensors_of(v)
+
+
 def figure(key: str, value: float, **raw) -> dict:
     """One results.json entry: the value, its goal and pass/fail, and the raw figures."""
     op, goal, what = GOALS[key]

@@ -13,8 +13,6 @@ all-reduce per parameter tensor per step) over the default, for the record."""
 from __future__ import annotations
 
 import copy
-import datetime
-import gc
 import os
 import statistics
 import tempfile
@@ -22,10 +20,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from bench.common import figure, quartiles
+from bench.common import figure, on_gloo_ranks, quartiles
 from service import workloads
 from service.trainer.setup import wrap_ddp
 
@@ -86,26 +83,12 @@ def measure_model(workload: str, rank: int) -> dict[str, list[float]]:
     return rates
 
 
-def _rank(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
-    try:
-        result = {w: measure_model(w, rank) for w in MODELS}
-        gc.collect()  # DDP's reducers go before their process group, not at interpreter exit
-        dist.barrier()  # and no rank tears its group down while another still talks to it
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        torch.save(result, out)
+def measure_models(rank: int, world: int) -> dict:
+    return {w: measure_model(w, rank) for w in MODELS}
 
 
 def measure_world(world: int, root: str) -> dict:
-    out = os.path.join(root, f"rates-{world}.pt")
-    mp.spawn(_rank, args=(world, os.path.join(root, f"init-{world}"), out), nprocs=world, join=True)
-    return torch.load(out)
+    return on_gloo_ranks(measure_models, world, root)[0]
 
 
 def ratios(rates: dict[str, list[float]], variant: str) -> dict:

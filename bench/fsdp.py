@@ -20,22 +20,27 @@
 
 from __future__ import annotations
 
-import datetime
-import gc
 import json
-import os
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from bench.common import CpuClock, block_rates, figure, pair_stats, paired_rates, paired_raw
+from bench.common import (
+    CpuClock,
+    block_rates,
+    figure,
+    on_gloo_ranks,
+    pair_stats,
+    paired_rates,
+    paired_raw,
+    tensors_of,
+)
 from service import workloads
 from service.data.text import write_text
 
@@ -199,7 +204,7 @@ def async_stall(rank: int, world: int, storage: str) -> dict:
     model(torch.randint(0, 256, (2, SEQ_LEN))).float().mean().backward()
     opt.step()
     saver = AsyncCheckpointer(ShardedCheckpointStore(f"{storage}/stall", 1, "validation/loss", "min", rank))
-    tensors = [local(t) for t in _tensors(sharding.state_dicts(model, opt))]
+    tensors = [local(t) for t in tensors_of(sharding.state_dicts(model, opt))]
     buffers = [torch.empty_like(t) for t in tensors]
     stalls, copies = [], []
     try:
@@ -225,47 +230,15 @@ def async_stall(rank: int, world: int, storage: str) -> dict:
     }
 
 
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict | list | tuple):
-        for v in tree.values() if isinstance(tree, dict) else tree:
-            yield from _tensors(v)
-
-
-def _rank(rank: int, world: int, init_file: str, out: str, task: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
-    try:
-        result = TASKS[task](rank, world, *args)
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, f"{out}-{rank}.pt")
-
-
 def paired_steps(rank: int, world: int, data: str, storage: str) -> dict:
     trials, bare = Trials(rank, world, data, storage), Bare(rank, world, data)
     trials.rates(), bare.rates()  # untimed: first imports, first allocations
     return paired_rates(trials.rates, bare.rates, PAIRS)
 
 
-TASKS = {"bytes": step_bytes, "stall": async_stall, "steps": paired_steps}
-
-
-def on_ranks(world: int, root: str, task: str, *args) -> list:
-    out = os.path.join(root, f"{task}-{world}-{time.monotonic_ns()}")
-    mp.spawn(_rank, args=(world, out + ".init", out, task, args), nprocs=world, join=True)
-    return [torch.load(f"{out}-{r}.pt", weights_only=False) for r in range(world)]
-
-
 def memory_ratio(root: str, data: str, world: int) -> dict:
-    ddp = on_ranks(world, root, "bytes", data, f"{root}/ddp-{world}", "ddp")[0]
-    fsdp = on_ranks(world, root, "bytes", data, f"{root}/fsdp-{world}", "fsdp")
+    ddp = on_gloo_ranks(step_bytes, world, root, data, f"{root}/ddp-{world}", "ddp")[0]
+    fsdp = on_gloo_ranks(step_bytes, world, root, data, f"{root}/fsdp-{world}", "fsdp")
     total = sum(ddp.values())
     per_rank = [sum(r.values()) / total for r in fsdp]
     return {
@@ -281,8 +254,8 @@ def run() -> dict:
         data = f"{root}/data"
         write_text(data, CORPUS_BYTES, SEQ_LEN)
         memory = {w: memory_ratio(root, data, w) for w in (2, 4)}
-        steps = pair_stats(on_ranks(2, root, "steps", data, f"{root}/steps")[0])
-        stalls = on_ranks(2, root, "stall", f"{root}/stall")
+        steps = pair_stats(on_gloo_ranks(paired_steps, 2, root, data, f"{root}/steps")[0])
+        stalls = on_gloo_ranks(async_stall, 2, root, f"{root}/stall")
     worst = max(stalls, key=lambda s: s["stall_s"] / s["copy_s"])
     return {
         "fsdp_step_ratio": figure(

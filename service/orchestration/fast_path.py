@@ -13,6 +13,8 @@ TorchTrainer.fit's fixed cost, docs/performance.md). What Ray Train did for it i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
 import ray.tune
 import torch
@@ -25,14 +27,17 @@ from service.planning.trial import TrialPlan
 from service.trainer import loop
 
 
-class TuneReporter:
-    """`loop.Reporter` on Ray Tune: metrics to Tune; checkpoints are kept by the store."""
+class StoreReporter:
+    """`loop.Reporter` of a trial that keeps its checkpoints in a store (the fast path, a pooled
+    trial's ranks, a sharded trial): each evaluation's metrics through `report` (Ray Tune's, Ray
+    Train's, or none), and a restart resumes from the store's latest complete checkpoint."""
 
-    def __init__(self, store: CheckpointStore):
-        self.store = store
+    def __init__(self, store: CheckpointStore, report: Callable[[dict], None] | None):
+        self.store, self._report = store, report
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        ray.tune.report(metrics)
+        if self._report is not None:
+            self._report(metrics)
 
     def restore(self) -> TrialState | None:
         return self.store.latest_state()
@@ -55,5 +60,5 @@ def train_in_trial(
     saver = AsyncCheckpointer(store) if tr.async_checkpoint else SyncCheckpointer(store)
     topo = topo or Topology(node_id=ray.get_runtime_context().get_node_id())
     device = torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
-    loop.train(plan, topo, TuneReporter(store), device, batch_source, checkpointer=saver)
+    loop.train(plan, topo, StoreReporter(store, ray.tune.report), device, batch_source, checkpointer=saver)
     return store.complete()

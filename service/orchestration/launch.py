@@ -109,21 +109,6 @@ def worker_topology() -> Topology:
     return rank_topology(node_ids, world_rank)
 
 
-class ShardedReporter:
-    """`loop.Reporter` of a sharded trial on Ray Train: metrics to Ray Train (every rank: a
-    barrier); its checkpoints are kept by the trial's `ShardedCheckpointStore`, whose latest
-    one a restarted worker group resumes from."""
-
-    def __init__(self, store: ShardedCheckpointStore):
-        self.store = store
-
-    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        ray.train.report(metrics)
-
-    def restore(self) -> TrialState | None:
-        return self.store.latest_state()
-
-
 def train_worker(config: dict) -> None:
     import ray.train.torch
 
@@ -139,7 +124,9 @@ def train_worker(config: dict) -> None:
         return
     store = sharded_store(plan, topo.world_rank)
     saver = AsyncCheckpointer(store) if plan.study.training.async_checkpoint else SyncCheckpointer(store)
-    loop.train(plan, topo, ShardedReporter(store), device, source, checkpointer=saver)
+    loop.train(
+        plan, topo, fast_path.StoreReporter(store, ray.train.report), device, source, checkpointer=saver
+    )
 
 
 def group_attempt(plan: TrialPlan, topo: Topology) -> fence.Attempt:

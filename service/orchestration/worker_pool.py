@@ -31,8 +31,6 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.distributed.checkpoint import TrialState
-from service.distributed.checkpoint_store import CheckpointStore
 from service.distributed.topology import Topology, rank_topology, world_order
 from service.orchestration import fast_path, launch, worker_console
 from service.planning.trial import TrialPlan
@@ -71,20 +69,6 @@ def join_group(address: str, rank: int, world_size: int, timeout_s: float) -> No
     dist.init_process_group(BACKEND, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
 
 
-class PeerReporter:
-    """`loop.Reporter` of world ranks 1..: rank 0 reports to Tune and keeps the checkpoints;
-    every rank resumes from the latest complete checkpoint on storage."""
-
-    def __init__(self, store: CheckpointStore):
-        self.store = store
-
-    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        pass
-
-    def restore(self) -> TrialState | None:
-        return self.store.latest_state()
-
-
 @ray.remote
 class PoolWorker:
     """One of world ranks 1.. of a pool: a process in the pool's process group that trains
@@ -102,7 +86,8 @@ class PoolWorker:
 
     def train(self, plan: TrialPlan, topo: Topology) -> None:
         torch.set_num_threads(max(1, int(plan.study.scaling.cpus_per_worker)))
-        reporter = PeerReporter(fast_path.trial_store(plan))
+        # World ranks 1..: rank 0 reports to Tune and keeps the checkpoints; every rank resumes.
+        reporter = fast_path.StoreReporter(fast_path.trial_store(plan), None)
         loop.train(plan, topo, reporter, torch.device("cpu"), launch.batch_source(plan.study))
 
 
