@@ -3,8 +3,10 @@
 The repeat round reruns the best trial of each scientific value with other seeds. The two
 values with the best mean result are compared by Welch's t-test over their repeats (unequal
 variances; two-sided; the t distribution's tail integrated numerically with numpy, no scipy):
-p < ALPHA says the difference exceeds seed noise. With one value, the sentence gives the seed
-spread alone."""
+p < ALPHA says the difference exceeds seed noise. When every repeat of both values scored the
+same (no seed noise at all: a rate metric at 0 on every seed, say), there is nothing to test:
+equal results are no difference, unequal ones a difference of known sign. With one value, the
+sentence gives the seed spread alone."""
 
 from __future__ import annotations
 
@@ -58,11 +60,26 @@ def repeat_sentence(rows: list[dict], space: dict[str, HParam], metric: str, mod
         return f"Seed repeats of {parts[0]}."
     if min(len(first[1]), len(second[1])) < 2:
         return f"Seed repeats: {'; '.join(parts)}. Too few finished repeats to compare (2 per value needed)."
-    t, df, p = welch(first[1], second[1])
+    verdict = compare(first, second, metric)
+    return f"Seed repeats: {'; '.join(parts)}. {first[0]} against {second[0]}: {verdict}."
+
+
+def compare(first: tuple[str, list[float]], second: tuple[str, list[float]], metric: str) -> str:
+    """The verdict on two values' repeats (`first` has the better mean): Welch's test, or, when
+    neither value's result moved with the seed, the exact difference (0/0 is no t statistic)."""
+    (label, best), (_, other) = first, second
+    if np.ptp(best) == 0 and np.ptp(other) == 0:
+        if best[0] == other[0]:
+            return f"every seed of both gave {metric} {fmt(best[0])}: no difference (no seed noise)"
+        return (
+            f"every seed of each gave the same {metric}, {label} better by exactly "
+            f"{fmt(abs(best[0] - other[0]))}: a difference (no seed noise to weigh it against)"
+        )
+    t, df, p = welch(best, other)
     verdict = "exceeds seed noise" if p < ALPHA else "is within seed noise"
     return (
-        f"Seed repeats: {'; '.join(parts)}. {first[0]} against {second[0]}: Welch's t = {fmt(t)}, "
-        f"df = {fmt(df)}, p = {fmt(p)}: the difference {verdict} (p {'<' if p < ALPHA else '>='} {ALPHA})."
+        f"Welch's t = {fmt(t)}, df = {fmt(df)}, p = {fmt(p)}: the difference {verdict} "
+        f"(p {'<' if p < ALPHA else '>='} {ALPHA})"
     )
 
 

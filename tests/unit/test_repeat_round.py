@@ -136,3 +136,25 @@ def test_a_repeat_round_is_judged_like_an_extend_round():
     assert kinds <= set(BEST_STEP_KINDS)
     explore = {v.kind for v in verdicts_for_round(s, "r1", [{**r, "round": "r1"} for r in rows])}
     assert "boundary" in explore
+
+
+def test_identical_results_on_every_seed_are_no_difference():
+    """A rate metric at 0 on every seed of both values: no seed noise, no t statistic (0/0), and
+    no difference -- not "exceeds seed noise" from p = max(0, nan)."""
+    rows = rep_rows([0.0, 0.0, 0.0], [0.0, 0.0])
+    sentence = seed_noise.repeat_sentence(rows, study().search, "error", "min")
+    assert sentence.endswith("every seed of both gave error 0: no difference (no seed noise).")
+    assert "nan" not in sentence and "exceeds" not in sentence
+
+
+def test_different_results_without_seed_noise_are_a_difference_of_known_sign():
+    # every tanh seed scores 0.25 and every relu seed 0.2: relu better (min) by exactly 0.05
+    rows = rep_rows([0.2, 0.2], [0.25, 0.25, 0.25])
+    sentence = seed_noise.repeat_sentence(rows, study().search, "loss", "min")
+    assert sentence.endswith(
+        "act=relu against act=tanh: every seed of each gave the same loss, act=relu better by exactly "
+        "0.05: a difference (no seed noise to weigh it against)."
+    )
+    maximised = seed_noise.repeat_sentence(rep_rows([0.2, 0.2], [0.25, 0.25]), study().search, "acc", "max")
+    assert "act=tanh against act=relu" in maximised and "act=tanh better by exactly 0.05" in maximised
+    assert "nan" not in sentence + maximised
