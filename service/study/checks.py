@@ -292,6 +292,7 @@ def check_storage(study: Study) -> None:
 RUN_ONLY_FIELDS = (
     "rounds[].max_concurrent_trials",
     "rounds[].trials_per_tune_run",
+    "rounds[].reason",
     "input.prefetch_batches",
     "input.cache_mb",
     "input.workers",

@@ -6,7 +6,7 @@ assembles them into the Study."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from service.study.strict import Scalar
@@ -52,11 +52,16 @@ class HParam:
     """The options of a `choice` dimension."""
     value: Scalar | None = None
     """The value of a `fixed` hyperparameter."""
+    best_of: str | None = None
+    """In a round's `search:` only, instead of `value`: fixed to the value the best finished
+    trial of this earlier round (of this study) took."""
 
     def errors(self):
+        if self.best_of is not None and self.role != "fixed":
+            yield "best_of", f"only for role fixed (role is {self.role})"
         if self.role == "fixed":
-            if self.value is None:
-                yield "value", "required when role is fixed"
+            if (self.value is None) == (self.best_of is None):
+                yield "value", "required when role is fixed (or, in a round's search, best_of; not both)"
             for name in ("min", "max", "values"):
                 if getattr(self, name) is not None:
                     yield name, "not allowed when role is fixed (give value only)"
@@ -120,7 +125,9 @@ class Round:
     """quasi_random: seed of the quasi-random sequence (its scrambling); bayesian: the sampler's."""
     from_round: str | None = None
     """extend: the round whose best trial is extended; bayesian: the round whose trials
-    warm-start the sampler (default: the previous round)."""
+    warm-start the sampler; repeat: the round whose best trials are repeated (default: the
+    previous round). `other-study/round` names a round of another study under the same storage
+    root, whose trials this round builds on."""
     narrow_to_best: int = 0
     """bayesian only: search the range the best this-many finished trials of the source round
     span in each searched dimension (>= 2); 0 = the whole search space."""
@@ -132,6 +139,15 @@ class Round:
     keeps each trial's state in its process until the run ends (docs/performance.md); 0 =
     max(512, 32 x the round's concurrency), which bounds that memory and idles slots only at a
     run's tail."""
+    search: dict[str, HParam] = field(default_factory=dict)
+    """This round's own search-space entries, each replacing the study's entry of that name (or
+    adding one) for this round only: a range widened or narrowed, a hyperparameter fixed (to a
+    value, or `best_of` an earlier round), a role changed. An extend or repeat round reruns
+    configurations: its entries may only fix hyperparameters."""
+    reason: str = ""
+    """Why the round is there, shown by `playbook status` and the report beside what it changed:
+    `playbook next` writes the verdicts that called for it. Free text, read by nothing that
+    plans or runs trials (a rerun may change it)."""
 
     @property
     def multiplier(self) -> float:
