@@ -29,6 +29,7 @@ from service.analysis.verdicts import (
     study_verdicts,
 )
 from service.core.ranking import ranked_results
+from service.planning.plan_size import round_trials
 from service.study.spec import Study
 
 RATE_METRICS = ("error", "accuracy")
@@ -213,7 +214,7 @@ def _constant_steps(study: Study) -> list[tuple[str, str, str]]:
 def _budget_findings(study: Study) -> list[tuple[str, str, str]]:
     budget, rounds = study.budget, study.rounds
     out = []
-    first = rounds[0].num_trials * study.round_steps(rounds[0])
+    first = round_trials(study, rounds[0]) * study.round_steps(rounds[0])
     share = budget.round_one_share * budget.max_total_steps
     if first > share:
         out.append(

@@ -15,7 +15,10 @@ DEMO_STUDY = "studies/digits-demo.yaml"
 
 
 def cmd_validate(args) -> int:
+    from service.planning.plan_size import check_budget, planned_steps, planned_trials
+
     study = load_study(args.study_file)
+    check_budget(study)
     if args.data:
         from service.study.checks import check_data
 
@@ -24,10 +27,9 @@ def cmd_validate(args) -> int:
 
     for level, field, message in validate_findings(study):  # on stderr: stdout ends with ok
         print(f"{level}: {field}: {message}", file=sys.stderr)
-    trials = sum(r.num_trials for r in study.rounds)
     print(
-        f"ok: study {study.name}: {len(study.rounds)} round(s), {trials} trials, "
-        f"{study.scaling.world_size} worker(s) per trial"
+        f"ok: study {study.name}: {len(study.rounds)} round(s), {planned_trials(study)} trials, "
+        f"{planned_steps(study)} training steps, {study.scaling.world_size} worker(s) per trial"
     )
     return 0
 
@@ -35,10 +37,12 @@ def cmd_validate(args) -> int:
 def cmd_run(args) -> int:
     from service import workloads
     from service.orchestration.coordinator import run_study
+    from service.planning.plan_size import check_budget
     from service.study.checks import check_data, check_same_study, check_storage
     from service.tracking import provenance
 
     study = load_study(args.study_file, args.storage)
+    check_budget(study)
     check_data(study)
     check_storage(study)
     check_same_study(study)

@@ -112,8 +112,8 @@ class Budget:
     exploration round."""
     max_total_steps: int | None = None
     """compute-bound only (required there): training steps the whole study may spend, summed
-    over every trial of every round (num_trials x the round's max_train_steps); a plan over it
-    is refused."""
+    over every trial of every round (its trials x the round's max_train_steps, a repeat round's
+    num_trials for each scientific value it repeats); a plan over it is refused."""
     first_round_share: float | None = None
     """compute-bound only: the fraction of `max_total_steps` round 1 may spend, leaving the rest
     for the longer rounds after it (default 0.5: the playbook gives no number; half is this
@@ -136,16 +136,16 @@ class Budget:
         if self.first_round_share is not None and not 0 < self.first_round_share <= 1:
             yield "first_round_share", f"must be in (0, 1] (got {self.first_round_share})"
 
-    def plan_errors(self, study):
-        """The study's plan against the budget: its total steps may not exceed it."""
+    def plan_errors(self, total: int):
+        """The study's plan against the budget: the `total` training steps its rounds run
+        (`service.planning.plan_size`) may not exceed it."""
         if not self.compute_bound or self.max_total_steps is None:
             return
-        total = sum(r.num_trials * study.round_steps(r) for r in study.rounds)
         if total > self.max_total_steps:
             yield (
                 "budget.max_total_steps",
-                f"the rounds plan {total} training steps (num_trials x max_train_steps, summed), "
-                f"more than the budget of {self.max_total_steps}",
+                f"the rounds plan {total} training steps (trials x max_train_steps, summed; a repeat "
+                f"round's num_trials per scientific value), more than the budget of {self.max_total_steps}",
             )
 
 

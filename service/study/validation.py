@@ -28,7 +28,6 @@ def study_errors(study: Study):
     yield from earlier
     if not earlier:  # the lengths need well-formed rounds and schedule hyperparameters
         yield from _schedule_length_errors(study)
-    yield from study.budget.plan_errors(study) if study.budget else ()
     if study.training.batch_size % study.scaling.world_size:
         yield (
             "training.batch_size",

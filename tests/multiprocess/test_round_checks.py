@@ -19,6 +19,7 @@ from service.cli import main
 from service.core.errors import SpecError
 from service.distributed.topology import Topology
 from service.evaluation import predictions
+from service.planning.plan_size import check_budget
 from service.planning.trial import TrialPlan
 from service.study import spec
 from service.study.search import HParam
@@ -263,9 +264,9 @@ def budget_study(tmp_path, **budget):
 
 def test_budget_plan_over_the_budget_is_refused(tmp_path):
     # 6 x 300 + 1 x 600 = 2400 steps planned
-    assert spec.load_dict(budget_study(tmp_path, max_total_steps=2400)).budget.max_total_steps == 2400
+    check_budget(spec.load_dict(budget_study(tmp_path, max_total_steps=2400)))
     with pytest.raises(SpecError, match=r"^budget.max_total_steps: the rounds plan 2400 training steps"):
-        spec.load_dict(budget_study(tmp_path, max_total_steps=2399))
+        check_budget(spec.load_dict(budget_study(tmp_path, max_total_steps=2399)))
     with pytest.raises(SpecError, match=r"^budget.max_total_steps: required with compute_bound: true"):
         spec.load_dict(budget_study(tmp_path))
     d = study_dict(tmp_path)
@@ -347,8 +348,9 @@ def test_validate_budget_findings(tmp_path, capsys):
     code, out, err = validate(tmp_path, capsys, budget_study(tmp_path, max_total_steps=1000))
     assert code == 2 and out == ""
     assert err.strip() == (
-        "playbook: error: budget.max_total_steps: the rounds plan 2400 training steps "
-        "(num_trials x max_train_steps, summed), more than the budget of 1000"
+        "playbook: error: budget.max_total_steps: the rounds plan 2400 training steps (trials x "
+        "max_train_steps, summed; a repeat round's num_trials per scientific value), more than the "
+        "budget of 1000"
     )
 
 
