@@ -75,7 +75,7 @@ def _check_split(study: Study, split: str, workload) -> list[DataFile]:
     """The split's files, listed once, after their checks."""
     uri = getattr(study.data, split)
     files = list_files(uri)
-    _check_split_files(files, workload)
+    _check_split_files(study, files, workload)
     if not sum(f.num_rows for f in files):
         raise DataError(f"{uri}: the {split} split has no rows")
     if split == "train" and len(files) < study.scaling.num_hosts:
@@ -86,7 +86,7 @@ def _check_split(study: Study, split: str, workload) -> list[DataFile]:
     return files
 
 
-def _check_split_files(files, workload) -> None:
+def _check_split_files(study: Study, files, workload) -> None:
     """The columns of each of a split's files: present, of their declared kinds, and of the
     same types as in the split's first non-empty file (whose first rows are checked)."""
     reference = None
@@ -105,7 +105,7 @@ def _check_split_files(files, workload) -> None:
             _check_id_nulls(f.uri, pf, workload)
             types = [pf.schema_arrow.field(c).type for c in workload.columns]
             if reference is None and f.num_rows:
-                _check_first_row(f.uri, pf, workload)
+                _check_first_row(study, f.uri, pf, workload)
                 reference = (f.uri, types)
             elif reference is not None and types != reference[1]:
                 c, t = next(
@@ -153,10 +153,12 @@ def check_overlap(study: Study, workload, files: dict[str, list[DataFile]]) -> N
         print(f"playbook: warning: {message} (data.allow_overlap: true)", file=sys.stderr, flush=True)
 
 
-def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:
+def _check_first_row(study: Study, uri: str, pf: pq.ParquetFile, workload) -> None:
     """The workload turns the file's first rows into a batch (right column types and shapes),
-    their ids are integers, and the workload keeps its contract on them (`check_contract`)."""
+    their ids are integers, and the workload keeps its contract on them with the models this
+    study's trials build (`contract.check_contract_as_studied`)."""
     from service.data.loader import example_ids
+    from service.study.contract import check_contract_as_studied
 
     try:
         row = pf.read_row_group(0, columns=list(workload.columns), use_threads=False).slice(0, 4)
@@ -165,7 +167,7 @@ def _check_first_row(uri: str, pf: pq.ParquetFile, workload) -> None:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{uri}: not readable as workload {workload.name} input ({message})") from None
     example_ids(row, workload, uri)
-    workloads.check_contract(workload, row)
+    check_contract_as_studied(study, workload, row, uri)
 
 
 def autoscaler_nodes(cluster_config, study: Study) -> list[dict]:

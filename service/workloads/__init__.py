@@ -97,15 +97,16 @@ def ray_env(paths: list[str], cwd: str | None = None) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(entries))} if entries else {}
 
 
-def check_contract(workload: Workload, table: pa.Table) -> None:
+def check_contract(workload: Workload, table: pa.Table, hparams: dict | None = None) -> None:
     """What the service relies on, checked on a few rows before anything starts: `to_batch`
-    gives a 'label' row per table row, the untrained model's outputs are [rows, num_classes]
-    for a classifier, and `loss` and every one of `metric_names` are one value per row."""
+    gives a 'label' row per table row, the untrained model (built with `hparams`, the rest at
+    the workload's defaults) reads them, its outputs are [rows, num_classes] for a classifier,
+    and `loss` and every one of `metric_names` are one value per row."""
     n, where = table.num_rows, f"workload {workload.name or type(workload).__name__}"
     batch = workload.to_batch(table)
     if "label" not in batch or len(batch["label"]) != n:
         raise SpecError(f"{where}: to_batch must return a 'label' tensor with one row per table row")
-    model = workload.build_model(workload.model_hparams({}))
+    model = workload.build_model(workload.model_hparams(hparams or {}))
     model.eval()  # one row through BatchNorm in training mode is an error
     with torch.no_grad():
         outputs = workload.forward(model, batch)
