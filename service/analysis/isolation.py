@@ -19,6 +19,7 @@ its own seed noise), the same values `seed_noise` compares with Welch's test.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ class Series:
 
 
 def isolation(study: Study, rows: list[Mapping[str, Any]]) -> dict[str, list[Series]]:
-    """For each scientific hyperparameter, one series per round that is not a repeat round and
-    has a row with a value for it (in the study's round order)."""
+    """For each hyperparameter scientific in some round's space (`Study.compared_space`), one
+    series per round that is not a repeat round, has it as scientific and has a row with a value
+    for it (in the study's round order)."""
     repeat_rounds = {r.name for r in study.rounds if r.kind == "repeat"}
     rows = list(rows)
     repeats: dict[str, list[Mapping]] = {}  # the repeat rounds' rows by the trial they rerun
@@ -93,17 +95,35 @@ def isolation(study: Study, rows: list[Mapping[str, Any]]) -> dict[str, list[Ser
         if r.get("round") in repeat_rounds and r.get("repeat_of") is not None:
             repeats.setdefault(r["repeat_of"], []).append(r)
     out: dict[str, list[Series]] = {}
-    for name, hp in study.search.items():
-        if hp.role != "scientific":
-            continue
+    spaces = {rnd.name: study.compared_space(rnd) for rnd in study.rounds if rnd.name not in repeat_rounds}
+    for name in dict.fromkeys(
+        k for space in spaces.values() for k, hp in space.items() if hp.role == "scientific"
+    ):
         series = []
-        for rnd in study.rounds:
-            if rnd.name in repeat_rounds:
-                continue
-            own = [r for r in rows if r.get("round") == rnd.name and r.get(f"hp/{name}") is not None]
-            if own:
-                series.append(round_series(rnd.name, name, hp, own, repeats, study.training.mode))
+        for rnd_name, space in spaces.items():  # a round where `name` is scientific, in its own space
+            hp = space.get(name)
+            own = [r for r in rows if r.get("round") == rnd_name and r.get(f"hp/{name}") is not None]
+            if hp is not None and hp.role == "scientific" and own:
+                series.append(round_series(rnd_name, name, hp, own, repeats, study.training.mode))
         out[name] = series
+    return out
+
+
+def spanned_space(study: Study, rounds) -> dict[str, HParam]:
+    """One entry per hyperparameter of these rounds' spaces (`Study.compared_space`), spanning
+    them all, to draw them on one axis: a choice's values united (in order of appearance), a
+    range from the lowest min to the highest max; role, type and scale of the last round that
+    has it, which decides a later round's kind of axis."""
+    out: dict[str, HParam] = {}
+    for rnd in rounds:
+        for name, hp in study.compared_space(rnd).items():
+            was = out.get(name)
+            if was is not None and was.type == hp.type and hp.searched and was.searched:
+                if hp.type == "choice":
+                    hp = dataclasses.replace(hp, values=tuple(dict.fromkeys((*was.values, *hp.values))))
+                else:
+                    hp = dataclasses.replace(hp, min=min(was.min, hp.min), max=max(was.max, hp.max))
+            out[name] = hp
     return out
 
 

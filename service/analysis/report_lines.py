@@ -22,12 +22,14 @@ def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
     verdicts = verdicts_for_round(study, round_name, rows)
     verdicts += row_verdicts(mine)
     verdicts += curve_verdicts(study, mine)
-    groups = best_per_scientific(mine, study.search, study.training.mode)
-    kind = next(r.kind for r in study.rounds if r.name == round_name)
+    rnd = next(r for r in study.rounds if r.name == round_name)
+    space = study.compared_space(rnd)  # each round judged in its own search space
+    groups = best_per_scientific(mine, space, study.training.mode)
+    kind = rnd.kind
     if kind == "extend":
         sentence = repeats_sentence(mine, study.training.metric, study.training.mode)
     elif kind == "repeat":
-        sentence = repeat_sentence(mine, study.search, study.training.metric, study.training.mode)
+        sentence = repeat_sentence(mine, space, study.training.metric, study.training.mode)
     else:
         sentence = summary_sentence(groups, study.training.metric) if groups else ""
     return {"round": round_name, "verdicts": [as_dict(v) for v in verdicts], "scientific": sentence}

@@ -44,10 +44,12 @@ def verdicts_for_round(study: Study, round_name: str, rows: list[dict]) -> list[
     checkpoints sit is meaningful (search-space, trial-count and eval-noise checks would judge
     a single point). Compute-bound studies also get the budget verdict."""
     mine = [r for r in rows if r.get("round") == round_name]
-    kind = next(r.kind for r in study.rounds if r.name == round_name)
+    rnd = next(r for r in study.rounds if r.name == round_name)
+    kind = rnd.kind
     compute_bound = bool(study.budget and study.budget.compute_bound)
     tr = study.training
-    verdicts = study_verdicts(mine, study.search, tr.mode, tr.eval_every_steps, compute_bound)
+    space = study.compared_space(rnd)  # the round's own search space
+    verdicts = study_verdicts(mine, space, tr.mode, tr.eval_every_steps, compute_bound)
     if kind in ("extend", "repeat"):
         verdicts = [v for v in verdicts if v.kind in BEST_STEP_KINDS]
     elif tr.validation_sample_size is not None:

@@ -5,6 +5,7 @@ keeps the trial table and answers status calls."""
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import time
 
@@ -19,15 +20,16 @@ from service.orchestration.ray_private import remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
 from service.orchestration.tune_run import TuneRun
 from service.planning import bayesian
-from service.planning.rounds import plan_round, row_fields
+from service.planning.rounds import as_source_rows, plan_round, row_fields
 from service.study import spec
 from service.study.checks import trial_footprint
+from service.study.layout import StudyLayout
 from service.study.search import Round
 from service.study.spec import Study
 from service.tracking import observe
 from service.tracking.progress import ProgressLimiter
 from service.tracking.trial_events import TrialEvents
-from service.tracking.trial_table import TrialTable
+from service.tracking.trial_table import TrialTable, read_rows
 
 NAMESPACE = "playbook"
 # A round runs as Tune runs of at most max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS x its
@@ -86,16 +88,19 @@ class Coordinator:
 
     def _run(self) -> list[dict]:
         storage.write_bytes_atomic(self.study.layout.study_file, spec.dump_yaml(self.study).encode())
-        summaries = []
+        summaries, stored = [], self._stored_verdicts()
         self.observers.rows_changed(self.table.snapshot())
         for i, rnd in enumerate(self.study.rounds):
             self.current_round, self.state = rnd.name, "running"
             try:
-                self._run_round(rnd, last=i + 1 == len(self.study.rounds))
+                started = self._run_round(rnd, last=i + 1 == len(self.study.rounds))
             except BaseException:
                 self._write_rows(state="stopped")
                 raise
-            summary = round_verdicts(self.study, rnd.name, self.table.snapshot())
+            # A round that was over before this run keeps the verdicts it was given (a study
+            # that grows by a round leaves its finished rounds as they were).
+            summary = None if started else stored.get(rnd.name)
+            summary = summary or round_verdicts(self.study, rnd.name, self.table.snapshot())
             summaries.append(summary)
             storage.write_json(self.study.layout.verdicts, summaries)
             for line in log_lines(summary):
@@ -110,11 +115,27 @@ class Coordinator:
         self.table.save()
         self.observers.rows_changed(self.table.snapshot(), state=state)
 
-    def _run_round(self, rnd: Round, last: bool) -> None:
+    def _stored_verdicts(self) -> dict[str, dict]:
+        """The verdicts.json summaries a run before this one saved, by round."""
+        uri = self.study.layout.verdicts
+        if not storage.exists(uri):
+            return {}
+        return {s["round"]: s for s in json.loads(storage.read_bytes(uri))}
+
+    def _planning_rows(self, rnd: Round) -> list[dict]:
+        """The trial rows a round is planned from: the study's, and, for a round that builds on
+        another study's round, that study's (named `<study>/<trial>`, see `as_source_rows`)."""
+        rows = self.table.snapshot()
+        if rnd.from_other_study:
+            other = rnd.from_round.split("/", 1)[0]
+            rows += as_source_rows(other, read_rows(StudyLayout.of(self.study.storage, other).uri))
+        return rows
+
+    def _run_round(self, rnd: Round, last: bool) -> int:
+        """Run the round's trials that are not done; how many that was."""
         if rnd.kind == "bayesian":
-            self._run_bayesian(rnd, last)
-            return
-        configs = plan_round(self.study, rnd, self.table.snapshot())
+            return self._run_bayesian(rnd, last)
+        configs = plan_round(self.study, rnd, self._planning_rows(rnd))
         for c in configs:
             if c["trial_name"] not in self.table.rows:
                 self.table.update(
@@ -138,7 +159,7 @@ class Coordinator:
                 flush=True,
             )
         if not todo:
-            return
+            return 0
         concurrency = self._concurrency(rnd)
         size = rnd.trials_per_tune_run or max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS * concurrency)
         runs = math.ceil(len(todo) / size)
@@ -148,22 +169,24 @@ class Coordinator:
             flush=True,
         )
         self._tune_runs(rnd.name, [todo[i : i + size] for i in range(0, len(todo), size)], concurrency, last)
+        return len(todo)
 
-    def _run_bayesian(self, rnd: Round, last: bool) -> None:
+    def _run_bayesian(self, rnd: Round, last: bool) -> int:
         """One Tune run whose searcher plans the round's trials one at a time; their rows appear
         as they start (`trial_event`). A resumed round runs only the trials it still lacks."""
         todo, first = bayesian.remaining(rnd, self.table.snapshot())
         print(f"round {rnd.name}: {todo} trials, one at a time (bayesian)", flush=True)
         if not todo:
-            return
+            return 0
         runner = self.spare_runner or tune_runner()
         self.spare_runner = None if last else tune_runner()
         me = ray.get_runtime_context().current_actor
         try:
-            ray.get(runner.fit_bayesian.remote(self.study, rnd, self.table.snapshot(), todo, first, me))
+            ray.get(runner.fit_bayesian.remote(self.study, rnd, self._planning_rows(rnd), todo, first, me))
         finally:
             ray.kill(runner)
             remove_placement_groups_of(runner)
+        return todo
 
     def _tune_runs(self, name: str, runs: list[list[dict]], concurrency: int, last_round: bool) -> None:
         """Consecutive Ray Tune runs over these trial configs, each in a `TuneRun` actor that

@@ -55,15 +55,16 @@ def narrowed_space(space: dict[str, HParam], best_rows: list[dict]) -> dict[str,
 
 
 def round_space(study: Study, rnd: Round, rows: list[dict]) -> dict[str, HParam]:
-    """The space a bayesian round searches: the study's, or narrowed to the best
-    `rnd.narrow_to_best` finished trials of its source round."""
+    """The space a bayesian round searches: its own (`rounds.resolved_space`), or that narrowed
+    to the best `rnd.narrow_to_best` finished trials of its source round."""
+    space = rounds.resolved_space(study, rnd, rows)
     if not rnd.narrow_to_best:
-        return study.search
+        return space
     source = study.source_round(rnd).name
     best = ranking.ranked_results([r for r in rows if r.get("round") == source], study.training.mode)
     if not best:
         raise StudyStopped(f"round {rnd.name}: round {source} has no finished trial to narrow the space to")
-    return narrowed_space(study.search, best[: rnd.narrow_to_best])
+    return narrowed_space(space, best[: rnd.narrow_to_best])
 
 
 def warm_start_trials(
@@ -132,7 +133,7 @@ class SuggestTrial:
 
     def __call__(self, trial) -> dict:
         hparams = {k: suggest(trial, k, hp) for k, hp in self.space.items() if hp.searched}
-        hparams.update(self.study.fixed_hparams)
+        hparams.update({k: hp.value for k, hp in self.space.items() if not hp.searched})
         index = self.first_index + trial.number - self.num_warm
         schedule = schedules.for_trial(self.study.training.schedule, hparams)
         steps, seed = self.study.round_steps(self.rnd), self.study.training.seed

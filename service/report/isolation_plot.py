@@ -11,7 +11,7 @@ import math
 
 from matplotlib.figure import Figure
 
-from service.analysis.isolation import Point, Series, isolation
+from service.analysis.isolation import Point, Series, isolation, spanned_space
 from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
@@ -39,8 +39,9 @@ def isolation_figure(data: StudyData) -> tuple[Figure, str] | None:
     grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in grid[len(panels) :]:
         fig.delaxes(ax)
+    space = spanned_space(data.study, data.study.rounds)  # every round's values on one axis
     for ax, (name, series) in zip(grid, panels.items(), strict=False):
-        _panel(ax, name, data.study.search[name], series, data)
+        _panel(ax, name, space[name], series, data)
     return fig, caption(data, panels)
 
 
@@ -121,7 +122,8 @@ def _diverged_values(ax, series: list[Series], hp: HParam, categorical: bool) ->
 
 def caption(data: StudyData, panels: dict[str, list[Series]]) -> str:
     """What the plot shows, from which rounds, the repeats drawn and the diverged trials."""
-    nuisance = [k for k, hp in data.study.search.items() if hp.role == "nuisance"]
+    space = spanned_space(data.study, data.study.rounds)
+    nuisance = [k for k, hp in space.items() if hp.role == "nuisance"]
     over = (
         f"over the nuisance hyperparameters ({', '.join(nuisance)})"
         if nuisance

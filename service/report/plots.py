@@ -12,6 +12,7 @@ import math
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
+from service.analysis.isolation import spanned_space
 from service.analysis.verdicts import EARLY_FRACTION, LATE_FRACTION
 from service.core.ranking import best_result
 from service.core.trial_status import TrialStatus
@@ -77,10 +78,11 @@ ROUND_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"
 def hparam_axes(data: StudyData) -> Figure | None:
     """The best result of each trial of the searching rounds against each searched
     hyperparameter, a color per round (rounds of other lengths are not comparable point for
-    point), the search bounds drawn, the best of these trials marked, log axes for log-scale
-    ones; diverged trials are marked along the top edge (they have no result)."""
-    space = data.study.searched_hparams
+    point), the search bounds drawn (spanning every round's own space), the best of these
+    trials marked, log axes for log-scale ones; diverged trials are marked along the top edge
+    (they have no result)."""
     rounds = [r for r in data.study.rounds if r.kind in SEARCHING_KINDS]
+    space = {k: hp for k, hp in spanned_space(data.study, rounds).items() if hp.searched}
     if not space or not rounds:
         return None
     colors = {

@@ -46,12 +46,54 @@ def check_workload(study: Study) -> None:
         if not has_batchnorm(workload.build_model({})):
             raise SpecError(f"training.ghost_batch_norm: workload {workload.name} has no BatchNorm layer")
     accepted = set(OPTIMIZER_HPARAMS) | set(workload.hparam_defaults)
-    for name in study.search:
+    entries = [(f"search.{k}", k) for k in study.search]
+    entries += [(f"rounds[{i}].search.{k}", k) for i, r in enumerate(study.rounds) for k in r.search]
+    for where, name in entries:
         if name not in accepted:
             raise SpecError(
-                f"search.{name}: not a hyperparameter of the optimizer or of workload "
+                f"{where}: not a hyperparameter of the optimizer or of workload "
                 f"{workload.name} (known: {', '.join(sorted(accepted))})"
             )
+
+
+def link_rounds(study: Study) -> Study:
+    """The study with the other studies' rounds its `from_round: other-study/round` entries
+    name (`Study.linked`), read from their study files under the same storage root: each named
+    as its reference, with the max_train_steps that study gives it. An unknown study or round
+    is refused; the study is checked again with them (schedule lengths)."""
+    from service.study import spec
+    from service.study.layout import StudyLayout
+    from service.study.search import Round
+
+    linked = {}
+    for i, rnd in enumerate(study.rounds):
+        if not rnd.from_other_study or rnd.from_round in linked:
+            continue
+        other_name, _, name = rnd.from_round.partition("/")
+        uri = StudyLayout.of(study.storage, other_name).study_file
+        if not storage.exists(uri):
+            raise SpecError(f"rounds[{i}].from_round: no study {other_name!r} under {study.storage}")
+        other = link_rounds(
+            dataclasses.replace(spec.load_text(storage.read_bytes(uri).decode(), uri), storage=study.storage)
+        )
+        source = next((r for r in other.rounds if r.name == name), None)
+        if source is None:
+            known = ", ".join(r.name for r in other.rounds)
+            raise SpecError(
+                f"rounds[{i}].from_round: study {other_name} has no round {name!r} (its rounds: {known})"
+            )
+        linked[rnd.from_round] = Round(
+            name=rnd.from_round,
+            num_trials=source.num_trials,
+            kind=source.kind,
+            max_train_steps=other.round_steps(source),
+        )
+    if not linked:
+        return study
+    study = dataclasses.replace(study, linked=tuple(linked.values()))
+    for path, message in study.errors():
+        raise SpecError(f"{path}: {message}")
+    return study
 
 
 def check_data(study: Study) -> None:
@@ -323,7 +365,8 @@ def _run_only(path: str) -> bool:
 
 def check_same_study(study: Study) -> None:
     """A rerun resumes the stored study; a *different* study under the same name and storage
-    would silently mix with it, so it is refused. Only `RUN_ONLY_FIELDS` may change."""
+    would silently mix with it, so it is refused. Only `RUN_ONLY_FIELDS` may change, and new
+    rounds may be added after the stored ones (the rerun runs them: the study grows)."""
     stored_uri = study.layout.study_file
     if not storage.exists(stored_uri):
         return
@@ -335,10 +378,13 @@ def check_same_study(study: Study) -> None:
         raise SpecError(f"{stored_uri}: the stored study file is not UTF-8 text") from None
     stored = spec.load_text(text, source=stored_uri)
     check_stored_study(study)
-    changed = [p for p in changed_fields(spec.to_dict(stored), spec.to_dict(study)) if not _run_only(p)]
+    old, new = spec.to_dict(stored), spec.to_dict(study)
+    kept = new["rounds"][: len(old["rounds"])]
+    changed = [p for p in changed_fields(old, {**new, "rounds": kept}) if not _run_only(p)]
     if changed:
+        rounds = ", ".join(r["name"] for r in old["rounds"])
         raise SpecError(
             f"name: study {study.name!r} already exists at {study.study_uri} with a "
-            f"different {', '.join(changed)}; rerun it unchanged to resume, or give "
-            "the new study another name"
+            f"different {', '.join(changed)}; rerun it unchanged to resume, add rounds after "
+            f"its rounds ({rounds}) to grow it, or give the new study another name"
         )

@@ -150,6 +150,11 @@ class Round:
     plans or runs trials (a rerun may change it)."""
 
     @property
+    def from_other_study(self) -> bool:
+        """`from_round` names another study's round (`other-study/round`)."""
+        return self.from_round is not None and "/" in self.from_round
+
+    @property
     def multiplier(self) -> float:
         return DEFAULT_STEP_MULTIPLIER if self.step_multiplier is None else self.step_multiplier
 

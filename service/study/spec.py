@@ -57,6 +57,10 @@ class Study:
     """Compute-bound or not, and the compute-bound study's budget (unset: not said)."""
     curves: Curves = field(default_factory=Curves)
     """Thresholds of the training-curve verdicts (overfitting, late noise, still improving, ...)."""
+    linked: tuple[Round, ...] = field(default=(), metadata={"in_file": False})
+    """Not in a study file: the rounds of other studies that a `from_round: other-study/round`
+    names, each as a Round named `other-study/round` with its max_train_steps as that study
+    ran it (`service.study.checks.link_rounds` reads them from the storage root)."""
 
     def errors(self):
         yield from study_errors(self)
@@ -73,9 +77,40 @@ class Study:
         return self.training.max_train_steps
 
     def source_round(self, rnd: Round) -> Round:
+        """The round `rnd` builds on: its from_round (a round of this study, or a linked one of
+        another study), else the round before it."""
         i = self.rounds.index(rnd)
         name = rnd.from_round or self.rounds[i - 1].name
-        return next(r for r in self.rounds if r.name == name)
+        found = next((r for r in (*self.rounds, *self.linked) if r.name == name), None)
+        if found is None:  # only a study whose rounds were not linked (checks.link_rounds)
+            raise SpecError(f"rounds[{i}].from_round: round {name!r} of another study is not linked")
+        return found
+
+    def unlinked(self, rnd: Round) -> bool:
+        """`rnd` builds on another study's round that this Study does not know yet."""
+        return rnd.from_other_study and rnd.from_round not in {r.name for r in self.linked}
+
+    def round_space(self, rnd: Round) -> dict[str, HParam]:
+        """The search space of one round: the study's `search:` with the round's own entries
+        over it (a fixed `best_of` entry is resolved from trial rows by the planner)."""
+        return {**self.search, **rnd.search}
+
+    def compared_space(self, rnd: Round) -> dict[str, HParam]:
+        """The space a round's results are judged in (verdicts, scientific comparison): its own,
+        but a repeat round's is that of the round it repeats (in this study), whose scientific
+        values it reruns."""
+        if rnd.kind == "repeat" and not rnd.from_other_study:
+            return self.compared_space(self.source_round(rnd))
+        return self.round_space(rnd)
+
+    def value_bounds(self, rnd: Round) -> dict[str, HParam]:
+        """`round_space`, each `best_of` entry replaced by the entry of the round it names
+        (whose trials' values bound what its best trial took)."""
+        space = self.round_space(rnd)
+        for name, hp in space.items():
+            if hp.best_of is not None:
+                space[name] = self.value_bounds(next(r for r in self.rounds if r.name == hp.best_of))[name]
+        return space
 
     @property
     def searched_hparams(self) -> dict[str, HParam]:
@@ -152,7 +187,8 @@ def to_dict(study: Study) -> dict:
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(study))
+    out = plain(dataclasses.asdict(study))
+    return {f.name: out[f.name] for f in dataclasses.fields(study) if f.metadata.get("in_file", True)}
 
 
 def dump_yaml(study: Study) -> str:

@@ -99,7 +99,7 @@ def _build_dataclass(tp, raw, path: str):
     if not isinstance(raw, dict):
         raise SpecError(f"{_where(path)}: must be a mapping (got {kind(raw)})")
     hints = typing.get_type_hints(tp)
-    fields = {f.name: f for f in dataclasses.fields(tp)}
+    fields = {f.name: f for f in dataclasses.fields(tp) if f.metadata.get("in_file", True)}
     for key in raw:
         if key not in fields:
             known = ", ".join(fields)

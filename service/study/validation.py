@@ -24,7 +24,8 @@ def study_errors(study: Study):
         yield "search", "must define learning_rate (searched or fixed)"
     if not study.rounds:
         yield "rounds", "must list at least one round"
-    earlier = [*_round_errors(study), *_hparam_errors(study)]
+    rounds = list(_round_errors(study))
+    earlier = [*rounds, *_hparam_errors(study, with_rounds=not rounds)]
     yield from earlier
     if not earlier:  # the lengths need well-formed rounds and schedule hyperparameters
         yield from _schedule_length_errors(study)
@@ -50,66 +51,111 @@ def _round_errors(study: Study):
     for i, name in enumerate(names):
         if name in names[:i]:
             yield f"rounds[{i}].name", f"duplicate round name {name!r}"
+    for name, hp in study.search.items():
+        if hp.best_of is not None:
+            yield f"search.{name}.best_of", "only in a round's search (it names an earlier round)"
     for i, r in enumerate(study.rounds):
+        yield from _round_search_errors(study, i)
         if r.kind == "grid":
-            dims = study.searched_hparams.values()
+            dims = [hp for hp in study.round_space(r).values() if hp.searched]
             if any(hp.type != "choice" for hp in dims):
                 yield f"rounds[{i}].kind", "grid needs every searched hyperparameter to be a choice"
             elif r.num_trials != math.prod(len(hp.values) for hp in dims):
                 yield f"rounds[{i}].num_trials", "must equal the number of grid combinations"
         if r.kind not in ("extend", "bayesian", "repeat"):
             continue
-        if i == 0:
+        if r.from_other_study:
+            yield from _other_study_errors(study, i)
+        elif i == 0:
             what = "extend another round" if r.kind == "extend" else f"be {r.kind} (it needs a source)"
             yield f"rounds[{i}].kind", f"the first round cannot {what}"
         elif r.from_round is not None and r.from_round not in names[:i]:
             yield f"rounds[{i}].from_round", f"no earlier round named {r.from_round!r}"
 
 
-def _hparam_errors(study: Study):
+def _other_study_errors(study: Study, i: int):
+    """`from_round: other-study/round`: two names, the study not this one."""
+    ref = study.rounds[i].from_round
+    other, _, name = ref.partition("/")
+    if not NAME_RE.match(other) or not NAME_RE.match(name):
+        yield f"rounds[{i}].from_round", f"must be a round name or other-study/round (got {ref!r})"
+    elif other == study.name:
+        yield f"rounds[{i}].from_round", f"names this study: give the round alone ({name!r})"
+
+
+def _round_search_errors(study: Study, i: int):
+    """A round's own `search:` entries: an extend or repeat round's only fix values; `best_of`
+    names an earlier round of this study whose space has the hyperparameter."""
+    r, names = study.rounds[i], [x.name for x in study.rounds[:i]]
+    for name, hp in r.search.items():
+        where = f"rounds[{i}].search.{name}"
+        if r.kind in ("extend", "repeat") and hp.searched:
+            yield where, f"kind {r.kind} reruns configurations: its own entries may only be role fixed"
+        if hp.best_of is None:
+            continue
+        if hp.best_of not in names:
+            yield f"{where}.best_of", f"no earlier round named {hp.best_of!r}"
+        elif name not in study.round_space(study.rounds[names.index(hp.best_of)]):
+            yield f"{where}.best_of", f"round {hp.best_of} has no hyperparameter {name}"
+
+
+def _hparam_errors(study: Study, with_rounds: bool = True):
+    """`_space_errors` of the study's `search:` and (when its rounds are well formed) of each
+    round's own entries, checked with the values they can take (`Study.value_bounds`)."""
+    yield from _space_errors(study, study.search, study.search, "search")
+    for i, r in enumerate(study.rounds if with_rounds else ()):
+        yield from _space_errors(study, r.search, study.value_bounds(r), f"rounds[{i}].search")
+
+
+def _space_errors(study: Study, entries: dict[str, HParam], bounds: dict[str, HParam], where: str):
     """A hyperparameter the trainer would not read: an optimizer's own one with another
     optimizer, a schedule field the schedule's kind has no use for (or one also set in
     training.schedule, which it would override). Schedule fields must be step counts or
     fractions."""
     tr, schedule = study.training, study.training.schedule
-    for name, hp in study.search.items():
+    for name in entries:
+        hp = bounds[name]
         readers = READ_BY_OPTIMIZERS.get(name, (tr.optimizer,))
         if tr.optimizer not in (*readers, "workload"):
             yield (
-                f"search.{name}",
+                f"{where}.{name}",
                 f"not read by optimizer {tr.optimizer} (only by {', '.join(readers)})",
             )
         if name in NUMBER_HPARAMS:
-            yield from ((f"search.{name}", m) for m in _number_errors(hp, *NUMBER_HPARAMS[name]))
+            yield from ((f"{where}.{name}", m) for m in _number_errors(hp, *NUMBER_HPARAMS[name]))
         if name not in SCHEDULE_HPARAMS:
             continue
         default = getattr(Schedule(), name)
         if getattr(schedule, name) != default:
             yield (
-                f"search.{name}",
+                f"{where}.{name}",
                 f"also set in training.schedule.{name}, which this would override (set it in one place)",
             )
         if schedule.kind not in SCHEDULE_HPARAMS[name]:
             yield (
-                f"search.{name}",
+                f"{where}.{name}",
                 f"not read by a {schedule.kind} schedule (training.schedule.kind; only by "
                 f"{', '.join(SCHEDULE_HPARAMS[name])})",
             )
-        yield from ((f"search.{name}", m) for m in _schedule_value_errors(name, hp))
+        yield from ((f"{where}.{name}", m) for m in _schedule_value_errors(name, hp))
 
 
 def _schedule_length_errors(study: Study):
     """Every round leaves room for the longest warmup (and, linear, warmup + decay) any of
     its trials can get; an extend round of a linear schedule is at least as long as the
-    trial it extends (the decay phase keeps its length)."""
-    w_field, w = _longest(study, "warmup_steps")
-    d_field, d = _longest(study, "decay_steps")
+    trial it extends (the decay phase keeps its length). A round built on another study's
+    is checked once that round is linked (`checks.link_rounds`)."""
     linear = study.training.schedule.kind == "linear"
     for i, r in enumerate(study.rounds):
+        if study.unlinked(r):
+            continue
+        space = study.value_bounds(r)
+        w_field, w = _longest(study, space, "warmup_steps", i)
+        d_field, d = _longest(study, space, "decay_steps", i)
         steps = study.round_steps(r)
         derived = r.kind == "extend" and r.max_train_steps is None
         here = f"rounds[{i}].{'step_multiplier' if derived else 'max_train_steps'}"
-        searched = [f for f in (w_field, d_field) if f.startswith("search.")]
+        searched = [f for f in (w_field, d_field) if ".search." in f or f.startswith("search.")]
         if w >= steps:
             yield (
                 w_field if w_field in searched else here,
@@ -131,12 +177,14 @@ def _schedule_length_errors(study: Study):
             )
 
 
-def _longest(study: Study, name: str) -> tuple[str, int]:
-    """The largest value of a schedule field any trial can get, and the field that sets it."""
-    hp = study.search.get(name)
+def _longest(study: Study, space: dict[str, HParam], name: str, i: int) -> tuple[str, int]:
+    """The largest value of a schedule field the round's trials can get, and the field that
+    sets it (the round's own search entry, the study's, or training.schedule)."""
+    hp = space.get(name)
     if hp is None:
         return f"training.schedule.{name}", getattr(study.training.schedule, name) or 0
-    return f"search.{name}", max(int(v) for v in hp.extremes)
+    where = f"rounds[{i}].search.{name}" if name in study.rounds[i].search else f"search.{name}"
+    return where, max(int(v) for v in hp.extremes)
 
 
 def _schedule_value_errors(name: str, hp: HParam):
