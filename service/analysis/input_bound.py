@@ -184,10 +184,19 @@ def is_remote(uri: str) -> bool:
 def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study) -> dict:
     """The trial-table fields of a trial's metrics log: `input/exposed_fraction`,
     `input/bound` and `input/verdict` (the message); {} when the log has no input timings."""
+    v = trial_input_verdict(trial_name, history, study)
+    if v is None:
+        return {}
+    return dict(zip(INPUT_ROW_FIELDS, (v.facts["exposed_fraction"], v.is_warning, v.message), strict=True))
+
+
+def trial_input_verdict(trial_name: str, history: Iterable[Mapping[str, Any]], study) -> Verdict | None:
+    """The `input_bound` verdict of a trial's metrics log under the study's input settings
+    (None when the log has no input timings)."""
     totals = InputTotals.from_history(history)
     if totals is None:
-        return {}
-    v = input_bound(
+        return None
+    return input_bound(
         trial_name,
         totals,
         study.input.input_bound_threshold,
@@ -196,7 +205,6 @@ def trial_input_row(trial_name: str, history: Iterable[Mapping[str, Any]], study
         study.input.workers,
         decoded_workload_of(study.workload),
     )
-    return dict(zip(INPUT_ROW_FIELDS, (totals.exposed_fraction, v.is_warning, v.message), strict=True))
 
 
 def row_verdicts(rows: Iterable[Mapping[str, Any]]) -> list[Verdict]:

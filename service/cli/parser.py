@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 
 from service.cli.data import cmd_data, cmd_preprocess
+from service.cli.next_round import cmd_next
 from service.cli.probes import cmd_find_batch_size, cmd_find_steps
 from service.cli.results import cmd_eval, cmd_export, cmd_report, cmd_status, cmd_studies
 from service.cli.run import DEMO_STUDY, cmd_demo, cmd_run, cmd_validate
 from service.data.make import DATASETS
 
 DESCRIPTION = (
-    "`playbook`: run | validate | status | report | studies | eval | export | find-steps |\n"
+    "`playbook`: run | validate | next | status | report | studies | eval | export | find-steps |\n"
     "find-batch-size | "
     "data | demo."
 )
@@ -41,6 +42,11 @@ def add_study_commands(sub) -> None:
     c.add_argument("study_file")
     c.add_argument("--data", action="store_true", help="also check the data files")
     c.set_defaults(func=cmd_validate)
+
+    c = sub.add_parser("next", help="the round a finished study's verdicts call for, as YAML to append")
+    c.add_argument("study_file")
+    c.add_argument("--append", action="store_true", help="write it into the study file (comments kept)")
+    c.set_defaults(func=cmd_next)
 
 
 def add_result_commands(sub) -> None:

@@ -25,6 +25,7 @@ def cmd_status(args) -> int:
         name, metric, mode = stored_naming(study_uri)
     rows = status_rows(name, study_uri)
     print_table(rows, metric, mode)
+    print_chain(study_uri)
     print_verdicts(study_uri)
     return 0
 
@@ -87,11 +88,15 @@ def status_rows(name: str, study_uri: str) -> list[dict]:
 
 def cmd_report(args) -> int:
     from service import report
+    from service.study.chain import chain
 
     data = report.load(report.study_uri_of(args.study))
     out, sentences = report.write(data, args.out)
     print(f"study {data.study.name}: {data.study_uri}")
     print_table(data.rows, data.metric, data.mode)
+    print("rounds:")
+    for link in chain(data.study):
+        print(f"  {link.line()}")
     for s in sentences:
         print(f"{s.section}: {'WARNING ' if s.severity == 'warning' else ''}{s.kind}: {s.text}")
     print(f"report: {out}")
@@ -186,6 +191,18 @@ def print_eval_metrics(metrics: dict, split: str) -> None:
                 f"[{p_lo:.3f}, {p_hi:.3f}]  {cell(c['recall']):>6} [{r_lo:.3f}, {r_hi:.3f}]  "
                 f"{cell(c['recall_per_example'])}"
             )
+
+
+def print_chain(study_uri: str) -> None:
+    """The stored study's rounds as a chain: what each changed from the one before, and why."""
+    from service.core import storage
+    from service.study.chain import chain
+
+    uri = StudyLayout(study_uri).study_file
+    if storage.exists(uri):
+        print("rounds:")
+        for link in chain(spec.load_text(storage.read_bytes(uri).decode(), source=uri)):
+            print(f"  {link.line()}")
 
 
 def print_verdicts(study_uri: str) -> None:

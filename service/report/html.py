@@ -13,6 +13,7 @@ from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 from service.report.sentences import Sentence
 from service.report.tags import Tag, trial_tags
+from service.study.chain import chain
 
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
@@ -172,6 +173,18 @@ def _counts(rows: list[dict]) -> str:
     return f"{len(rows)}: " + ", ".join(p for p in parts if not p.startswith("0 "))
 
 
+def rounds_table(data: StudyData) -> str:
+    """The rounds as a chain: each round, what it changed from the one before, and why."""
+    head = "<tr><th>round</th><th>kind</th><th>trials x steps</th><th>changed</th><th>why</th></tr>"
+    body = "".join(
+        f"<tr><td>{_e(k.round)}</td><td>{_e(k.kind + (f' from {k.source}' if k.source else ''))}</td>"
+        f"<td>{k.num_trials} x {k.steps}</td><td>{_e(', '.join(k.changes) or '-')}</td>"
+        f"<td>{_e(k.reason or '-')}</td></tr>"
+        for k in chain(data.study)
+    )
+    return f'<table class="rounds">{head}{body}</table>'
+
+
 def sentences_html(sentences: list[Sentence]) -> str:
     out, section = [], None
     for s in sentences:
@@ -199,6 +212,7 @@ def page(
         '<!DOCTYPE html><html><head><meta charset="utf-8">'
         f"<title>study {_e(data.study.name)}</title><style>{STYLE}</style></head><body>"
         f"<h1>study {_e(data.study.name)}</h1>{header(data, best_row)}"
+        f"<h2>rounds</h2>{rounds_table(data)}"
         f"<h2>playbook verdicts</h2>{sentences_html(sentences)}"
         f"<h2>trials</h2>{trial_table(data, best)}"
         f"<h2>plots</h2>{images}"

@@ -1,0 +1,111 @@
+"""`playbook next STUDY.yaml [--append]`: the round the last round's verdicts call for
+(`service.analysis.next_round`), printed as YAML to append to the study's `rounds:`, or with
+`--append` written into the study file as text (every other byte kept) and read back."""
+
+from __future__ import annotations
+
+import os
+
+from service.cli.prepare import load_study
+from service.core.errors import SpecError, StudyNotFound
+from service.study import spec
+from service.study.spec import Study
+
+
+def cmd_next(args) -> int:
+    from service.analysis.next_round import as_yaml, propose
+    from service.study.rounds_text import rounds_block
+    from service.tracking import trial_table
+
+    study = load_study(args.study_file)
+    check_ran(study, args.study_file)
+    last = study.rounds[-1].name
+    rows = trial_table.read_rows(study.study_uri)
+    proposal = propose(study, last, rows, round_findings(study, last, rows))
+    with open(args.study_file, encoding="utf-8") as f:
+        text = f.read()
+    indent = rounds_block(text, args.study_file)[2] if args.append or proposal.fields else 2
+    block = as_yaml(proposal, indent)
+    if args.append and not proposal.empty:
+        append(args.study_file, text, block)
+        print(f"appended round {proposal.fields[0].value} to {args.study_file}:")
+    print(block, end="")
+    return 0
+
+
+def round_findings(study: Study, round_name: str, rows: list[dict]) -> list:
+    """The round's verdicts as values with their data: those of `verdicts_for_round`, its
+    training curves' (read from the trials' metrics logs) and each trial's input-bound verdict
+    computed again from its log (the trial row keeps its message, not its cause)."""
+    from service.analysis import curves
+    from service.analysis.input_bound import trial_input_verdict
+    from service.analysis.round_checks import verdicts_for_round
+    from service.trainer import metrics_log
+
+    mine = [r for r in rows if r.get("round") == round_name]
+    logs = {r["trial_name"]: metrics_log.read(study.layout.trial(r["trial_name"]).metrics_log) for r in mine}
+    tr = study.training
+    verdicts = verdicts_for_round(study, round_name, rows)
+    verdicts += curves.round_verdicts(mine, logs, tr.metric, tr.mode, study.curves)
+    found = (trial_input_verdict(r["trial_name"], logs[r["trial_name"]], study) for r in mine)
+    return verdicts + [v for v in found if v is not None]
+
+
+def check_ran(study: Study, path: str) -> None:
+    """Refused unless the study has run from this very file (its stored study.yaml is the
+    file's study but for run-only fields) and its last round has verdicts."""
+    import json
+
+    from service.core import storage
+    from service.study.checks import _run_only, changed_fields, check_stored_study
+
+    layout = study.layout
+    if not storage.exists(layout.study_file):
+        raise StudyNotFound(
+            f"{path}: study {study.name!r} has not run (no {layout.study_file}): run it first"
+        )
+    stored = spec.load_text(storage.read_bytes(layout.study_file).decode(), source=layout.study_file)
+    check_stored_study(study)
+    old, new = spec.to_dict(stored), spec.to_dict(study)
+    ran = len(old["rounds"])
+    changed = changed_fields(old, {**new, "rounds": new["rounds"][:ran]})
+    changed = [p for p in changed if not _run_only(p)]
+    if changed:
+        raise SpecError(
+            f"{path}: not the file study {study.name!r} ran (it differs from {layout.study_file} in "
+            f"{', '.join(changed)})"
+        )
+    if len(study.rounds) > ran:
+        rnd = study.rounds[ran]
+        raise SpecError(
+            f"rounds[{ran}]: round {rnd.name} has not run yet: run the study, then ask for the next"
+        )
+    done = json.loads(storage.read_bytes(layout.verdicts)) if storage.exists(layout.verdicts) else []
+    last = study.rounds[-1].name
+    if not any(s.get("round") == last for s in done):
+        raise StudyNotFound(
+            f"{path}: round {last} of study {study.name!r} has no verdicts yet (not finished)"
+        )
+
+
+def append(path: str, text: str, block: str) -> None:
+    """Write `block` into the study file after its `rounds:` list, once the new text reads
+    back as the file's study plus one round and every byte outside the block is unchanged."""
+    from service.study.rounds_text import append_round
+    from service.study.strict import load_yaml
+
+    new_text = append_round(text, block, path)
+    old = spec.load_text(text, source=path)
+    new = spec.load_text(new_text, source=path)  # SpecError (exit 2) if the round is refused
+    old_raw, new_raw = spec.to_dict(old), spec.to_dict(new)
+    if (
+        new.rounds[:-1] != old.rounds
+        or {**new_raw, "rounds": None} != {**old_raw, "rounds": None}
+        or len(load_yaml(new_text, path)["rounds"]) != len(old.rounds) + 1
+        or new_text.replace(block, "", 1).rstrip("\n") != text.rstrip("\n")
+    ):
+        raise SpecError(f"{path}: the appended round does not read back as one more round; append by hand")
+    tmp = f"{path}.playbook-next.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(new_text)
+    os.replace(tmp, path)

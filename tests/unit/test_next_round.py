@@ -1,0 +1,359 @@
+"""`playbook next`'s rules (service/analysis/next_round.py): each verdict -> proposal rule on a
+hand-made trial table whose verdicts the real checks compute, with the answer worked out by
+hand; the proposal's YAML read back by the study loader; the text insertion that keeps every
+other byte of a study file; the rounds shown as a chain."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from service.analysis import curves
+from service.analysis.input_bound import InputTotals, input_bound
+from service.analysis.next_round import as_yaml, beyond, propose, widen
+from service.analysis.round_checks import verdicts_for_round
+from service.core.errors import SpecError
+from service.study import spec
+from service.study.chain import chain
+from service.study.rounds_text import append_round
+from service.study.search import HParam
+from service.study.sections import Curves
+from service.study.strict import load_yaml
+
+STUDY = {
+    "name": "nx",
+    "workload": "digits",
+    "data": {"train": "d/train", "validation": "d/val"},
+    "training": {"max_train_steps": 1000, "batch_size": 32, "eval_every_steps": 100},
+    "search": {
+        "learning_rate": {"role": "nuisance", "type": "float", "min": 0.01, "max": 0.5, "scale": "log"},
+        "momentum": {"role": "nuisance", "type": "float", "min": 0.5, "max": 0.95},
+        "width": {"role": "fixed", "value": 16},
+    },
+    "rounds": [{"name": "explore", "num_trials": 8}],
+}
+
+
+def study_of(**changes) -> spec.Study:
+    d = copy.deepcopy(STUDY)
+    d.update(changes)
+    return spec.load_dict(d)
+
+
+def row(i, metric, lr=0.1, momentum=0.7, best_step=500, rnd="explore", **extra) -> dict:
+    return {
+        "trial_name": f"{rnd}-{i:04d}",
+        "round": rnd,
+        "status": "FINISHED",
+        "best_metric": metric,
+        "best_step": best_step,
+        "step": 1000,
+        "max_train_steps": 1000,
+        "hp/learning_rate": lr,
+        "hp/momentum": momentum,
+        "hp/width": 16,
+        **extra,
+    }
+
+
+def eight(**best) -> list[dict]:
+    """Eight finished trials with metrics 0.10 .. 0.17 (the best first) in the middle of the
+    space, the best one's values replaced by `best`."""
+    rows = [row(i, 0.10 + 0.01 * i, lr=0.05 + 0.01 * i, momentum=0.6 + 0.02 * i) for i in range(8)]
+    rows[0] = row(0, 0.10, **best)
+    return rows
+
+
+def of_kind(verdicts, *kinds):
+    return [v for v in verdicts if v.kind in kinds]
+
+
+def fields(p) -> dict:
+    return {f.key: f.value for f in p.fields}
+
+
+# ----------------------------------------------------------------------------- boundary
+
+
+def test_a_log_range_at_its_upper_bound_widens_tenfold_above():
+    study = study_of()
+    rows = eight(lr=0.49)  # log10 position of 0.49 in [0.01, 0.5]: 99.5%
+    found = of_kind(verdicts_for_round(study, "explore", rows), "boundary")
+    p = propose(study, "explore", rows, found)
+    assert fields(p)["kind"] == "quasi_random" and fields(p)["name"] == "explore-2"
+    assert fields(p)["num_trials"] == 8 and fields(p)["seed"] == 1
+    (lr,) = p.search
+    assert lr.key == "learning_rate" and (lr.value.min, lr.value.max, lr.value.scale) == (0.01, 5.0, "log")
+    assert "boundary" in lr.why and "0.5 -> 5" in lr.why
+
+
+def test_a_log_range_at_its_lower_bound_widens_tenfold_below():
+    study = study_of()
+    rows = eight(lr=0.0101)
+    p = propose(study, "explore", rows, of_kind(verdicts_for_round(study, "explore", rows), "boundary"))
+    (lr,) = p.search
+    assert (lr.value.min, lr.value.max) == (0.001, 0.5)
+
+
+def test_a_linear_range_widens_by_its_width_and_a_fraction_stays_below_1():
+    """momentum [0.5, 0.95]: width 0.45; below: 0.5 - 0.45 = 0.05; above: 0.95 + 0.45 = 1.4 is
+    past 1, so halfway from 0.95 to 1: 0.975."""
+    study = study_of()
+    for best, expected in ((0.51, (0.05, 0.95)), (0.94, (0.5, 0.975))):
+        rows = eight(momentum=best)
+        p = propose(study, "explore", rows, of_kind(verdicts_for_round(study, "explore", rows), "boundary"))
+        (m,) = p.search
+        assert m.key == "momentum" and (m.value.min, m.value.max) == expected
+
+
+def test_widening_rules_for_ints_non_negative_ranges_and_choices():
+    warmup = HParam(role="nuisance", type="int", min=10, max=50)
+    assert (widen(warmup, "upper")[0].max, widen(warmup, "lower")[0].min) == (90, 0)  # 50 + 40; 10 - 40 -> 0
+    at_zero = HParam(role="nuisance", type="float", min=0.0, max=0.3)
+    assert widen(at_zero, "lower") == (at_zero, "cannot widen past 0")
+    assert beyond([8, 16, 32], "upper") == 64 and beyond([8, 16, 32], "lower") == 4  # one ratio
+    assert beyond([0.1, 0.2, 0.3], "upper") == 0.4  # ratios 2 and 1.5: the difference
+    choice = HParam(role="nuisance", type="choice", values=(8, 16))
+    assert widen(choice, "upper")[0].values == (8, 16, 32)
+
+
+# ----------------------------------------------------------------------------- trials
+
+
+def test_too_few_trials_runs_the_round_again_with_twice_the_trials():
+    """3 of 8 trials finished (fewer than 5): a round like it, 16 trials, new points."""
+    study = study_of()
+    rows = eight()
+    for r in rows[3:]:
+        r["status"] = "FAILED"
+    found = of_kind(verdicts_for_round(study, "explore", rows), "enough_trials")
+    assert found[0].is_warning
+    p = propose(study, "explore", rows, found)
+    assert fields(p) == {
+        "name": "explore-2",
+        "kind": "quasi_random",
+        "num_trials": 16,
+        "seed": 1,
+        "reason": fields(p)["reason"],
+    }
+    assert p.search == () and "enough_trials: 3 finished, fewer than 5" in fields(p)["reason"]
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def test_late_best_checkpoints_extend_the_best_twice_as_long():
+    study = study_of()
+    rows = [row(i, 0.1 + 0.01 * i, best_step=900) for i in range(8)]  # every best step > 750 of 1000
+    found = of_kind(
+        verdicts_for_round(study, "explore", rows), "best_step_distribution", "best_step_position"
+    )
+    p = propose(study, "explore", rows, found)
+    assert fields(p) == {
+        "name": "extend-2",
+        "kind": "extend",
+        "from_round": "explore",
+        "num_trials": 2,
+        "step_multiplier": 2.0,
+        "reason": "playbook next after round explore: best checkpoints late: 8 of 8 trials in the last 25% "
+        "of training",
+    }
+
+
+def test_late_best_checkpoints_in_a_compute_bound_study_extend_as_far_as_the_budget_allows():
+    """8 trials x 1000 steps spent of 11000: 3000 left for 2 trials of 1000 x m: m = 1.5."""
+    study = study_of(budget={"compute_bound": True, "max_total_steps": 11000, "first_round_share": 0.8})
+    rows = [row(i, 0.1 + 0.01 * i, best_step=900) for i in range(8)]
+    p = propose(
+        study, "explore", rows, of_kind(verdicts_for_round(study, "explore", rows), "best_step_distribution")
+    )
+    assert fields(p)["step_multiplier"] == 1.5
+    spent = study_of(budget={"compute_bound": True, "max_total_steps": 9000, "first_round_share": 0.9})
+    p = propose(
+        spent, "explore", rows, of_kind(verdicts_for_round(spent, "explore", rows), "best_step_distribution")
+    )
+    assert p.empty and "1000 steps left" in p.notes[0]
+
+
+def test_an_extend_round_still_late_is_extended_again_with_its_trials():
+    study = study_of(
+        rounds=[{"name": "explore", "num_trials": 8}, {"name": "long", "kind": "extend", "num_trials": 3}]
+    )
+    rows = [row(i, 0.1, best_step=1900, rnd="long", max_train_steps=2000) for i in range(3)]
+    p = propose(study, "long", rows, verdicts_for_round(study, "long", rows))
+    assert {k: fields(p)[k] for k in ("name", "kind", "from_round", "num_trials")} == {
+        "name": "long-2",
+        "kind": "extend",
+        "from_round": "long",
+        "num_trials": 3,
+    }
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+def clipped_history(fraction: float) -> list[dict]:
+    """Ten evaluations every 100 steps, gradient norms 1..10: the 90th percentile (numpy's
+    linear interpolation) is 9 + 0.1 * (10 - 9) = 9.1."""
+    return [
+        {"step": 100 * k, "validation/error": 0.5 / k, "train/loss": 1.0 / k, "train/grad_norm": float(k),
+         "train/clipped_fraction": fraction}
+        for k in range(1, 11)
+    ]  # fmt: skip
+
+
+def test_most_updates_clipped_sets_grad_clip_norm_to_the_suggestion():
+    study = study_of()
+    rows = [row(0, 0.1, **{"hp/grad_clip_norm": 1.0})]
+    found = curves.round_verdicts(
+        rows, {"explore-0000": clipped_history(0.8)}, "validation/error", "min", Curves()
+    )
+    assert {"clipping", "clip_threshold"} <= {v.kind for v in found}
+    p = propose(study, "explore", rows, of_kind(found, "clipping", "clip_threshold"))
+    (clip,) = p.search
+    assert clip.key == "grad_clip_norm" and clip.value == HParam(role="fixed", value=9.1)
+    assert "most updates of explore-0000 clipped" in clip.why
+    # half or fewer clipped: the suggestion alone is not acted on
+    calm = curves.round_verdicts(
+        rows, {"explore-0000": clipped_history(0.5)}, "validation/error", "min", Curves()
+    )
+    assert propose(study, "explore", rows, of_kind(calm, "clipping", "clip_threshold")).empty
+
+
+def test_early_instability_without_clipping_adds_grad_clip_norm():
+    study = study_of()
+    h = clipped_history(0.0)
+    h[1]["train/loss"] = 5.0  # step 200 of 1000 (in the first 20%): 5.0 against 1.0 at step 100
+    rows = [row(0, 0.1)]
+    found = curves.round_verdicts(rows, {"explore-0000": h}, "validation/error", "min", Curves())
+    p = propose(study, "explore", rows, of_kind(found, "early_instability", "clip_threshold"))
+    (clip,) = p.search
+    assert clip.value.value == 9.1 and clip.why.startswith("early_instability in explore-0000")
+
+
+# ----------------------------------------------------------------------------- scientific winner
+
+
+def repeat_study() -> spec.Study:
+    search = {**STUDY["search"], "width": {"role": "scientific", "type": "choice", "values": [8, 16]}}
+    rounds = [{"name": "explore", "num_trials": 8}, {"name": "repeats", "kind": "repeat", "num_trials": 3}]
+    return study_of(search=search, rounds=rounds)
+
+
+def repeats(a: list[float], b: list[float]) -> list[dict]:
+    rows = [{**row(i, m, rnd="repeats"), "hp/width": 16} for i, m in enumerate(a)]
+    return rows + [{**row(3 + i, m, rnd="repeats"), "hp/width": 8} for i, m in enumerate(b)]
+
+
+def test_a_scientific_winner_beyond_seed_noise_is_fixed_and_the_nuisance_explored_again():
+    """width 16: 0.10, 0.11, 0.12; width 8: 0.20, 0.21, 0.22: Welch's t = -12.2, p ~ 0.0003."""
+    study = repeat_study()
+    rows = repeats([0.10, 0.11, 0.12], [0.20, 0.21, 0.22])
+    p = propose(study, "repeats", rows, [])
+    (width,) = p.search
+    assert width.key == "width" and width.value == HParam(role="fixed", value=16)
+    assert "beats width=8" in width.why
+    assert {k: fields(p)[k] for k in ("name", "kind", "num_trials", "seed")} == {
+        "name": "explore-2",
+        "kind": "quasi_random",
+        "num_trials": 8,
+        "seed": 1,
+    }
+
+
+def test_a_difference_within_seed_noise_fixes_nothing():
+    study = repeat_study()
+    assert propose(study, "repeats", repeats([0.10, 0.15, 0.20], [0.12, 0.17, 0.22]), []).empty
+
+
+# ----------------------------------------------------------------------------- input, nothing
+
+
+def test_input_bound_names_the_input_change_as_a_note():
+    study = study_of()
+    totals = InputTotals(
+        wait_s=5.0, step_s=10.0, read_s=1.0, preprocess_s=1.0
+    )  # loader faster than the steps
+    v = input_bound("explore-0003", totals, 0.2, remote=False, prefetch_batches=2)
+    assert v.facts["cause"] == "prefetch_too_shallow"
+    p = propose(study, "explore", eight(), [v])
+    assert p.empty and p.notes == (
+        "input_bound: explore-0003 waits 50% of its steps: raise input.prefetch_batches "
+        "(the study's input: section)",
+    )
+
+
+def test_nothing_to_act_on_says_so():
+    study = study_of()
+    rows = eight()
+    found = verdicts_for_round(study, "explore", rows)  # eight results inside the space, none late
+    assert not any(v.is_warning for v in found)
+    p = propose(study, "explore", rows, found)
+    assert p.empty and as_yaml(p) == "  # playbook next: nothing to act on in the verdicts of round explore\n"
+
+
+# ----------------------------------------------------------------------------- YAML and the file
+
+
+FILE = """\
+# my study: every comment stays
+name: nx   # the name
+workload: digits
+data: {train: d/train, validation: d/val}
+training: {max_train_steps: 1000, batch_size: 32, eval_every_steps: 100}
+search:
+  learning_rate: {role: nuisance, type: float, min: 0.01, max: 0.5, scale: log}
+  momentum: {role: nuisance, type: float, min: 0.5, max: 0.95}
+  width: {role: fixed, value: 16}
+rounds:
+    - {name: explore, num_trials: 8}   # round 1
+    # the end of round 1
+# a comment before the next section
+curves: {tail_fraction: 0.25}
+"""
+
+
+def test_the_proposal_appends_as_text_and_reads_back_as_one_more_round():
+    study = spec.load_text(FILE)
+    rows = eight()
+    for r in rows[3:]:
+        r["status"] = "FAILED"
+    p = propose(study, "explore", rows, of_kind(verdicts_for_round(study, "explore", rows), "enough_trials"))
+    block = as_yaml(p, indent=4)
+    assert all(
+        line.lstrip().startswith("#") or "#" in line for line in block.splitlines() if "reason" not in line
+    )
+    new = append_round(FILE, block, "study.yaml")
+    assert new.replace(block, "", 1) == FILE  # every other byte as it was
+    assert new.index(block) == FILE.index("# a comment before")  # after the list, before the next key
+    loaded = spec.load_text(new)
+    assert loaded.rounds[:-1] == study.rounds and loaded.curves == study.curves
+    assert load_yaml(new, "s")["rounds"][-1] == p.round_dict()
+    assert loaded.rounds[-1].num_trials == 16 and loaded.rounds[-1].reason.startswith("playbook next after")
+
+
+def test_a_flow_style_rounds_list_is_refused_in_one_line():
+    with pytest.raises(SpecError, match=r"^s.yaml: rounds: is not a block list"):
+        flow = FILE.replace(
+            "rounds:\n    - {name: explore, num_trials: 8}   # round 1\n", "rounds: [{name: x}]\n"
+        )
+        append_round(flow, "  - name: y\n", "s.yaml")
+
+
+def test_the_chain_says_what_each_round_changed_and_why():
+    study = study_of(
+        rounds=[
+            {"name": "explore", "num_trials": 8},
+            {"name": "explore-2", "num_trials": 16, "seed": 1, "reason": "enough_trials: 3 finished"},
+            {"name": "extend-2", "kind": "extend", "num_trials": 2, "step_multiplier": 2, "reason": "late"},
+        ]
+    )
+    lines = [link.line() for link in chain(study)]
+    assert lines == [
+        "explore: quasi_random, 8 trials x 1000 steps",
+        "explore-2: quasi_random, 16 trials x 1000 steps; changed: trials 8 -> 16, seed 0 -> 1; "
+        "why: enough_trials: 3 finished",
+        "extend-2: extend from explore-2, 2 trials x 2000 steps; changed: kind quasi_random -> extend, "
+        "trials 16 -> 2, steps 1000 -> 2000 (x2); why: late",
+    ]
