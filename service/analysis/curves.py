@@ -334,7 +334,8 @@ def round_verdicts(
         if hits:
             out.append(_kind_summary(kind, hits, len(judged), ranked[0] if ranked else None))
     if not out:
-        out.append(_all_clear(len(judged)))
+        late = [n for n in judged if _best_is_late(by_name[n], histories.get(n, []), metric, mode)]
+        out.append(_all_clear(len(judged), late, ranked[0] if ranked else None, th))
     best_clip = next((v for v in found.get(ranked[0], []) if v.kind == "clipping"), None) if ranked else None
     if best_clip is not None:
         out.append(clip_threshold(best_clip))
@@ -364,12 +365,43 @@ def _kind_summary(kind: str, hits: list[Verdict], judged: int, best: str | None)
     )
 
 
-def _all_clear(judged: int) -> Verdict:
+def _best_is_late(
+    row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], metric: str, mode: str
+) -> bool:
+    """A FINISHED trial whose best step is in the last 25% (`best_step_position`'s "train longer")."""
+    if row.get("status") != TrialStatus.FINISHED:
+        return False
+    t = trial_curves(row, history, metric, mode)
+    return bool(t.metric.values) and step_position(best_step(t), t.max_train_steps) == "late"
+
+
+def _all_clear(judged: int, late: list[str], best: str | None, th: Curves) -> Verdict:
+    """No curve warned. A trial whose best checkpoint is in the last 25% gained too little there
+    for `still_improving` (or nothing: the latest of equal best values is the best step): said
+    so, not "no late improvement" beside `best_step_position`'s "train longer" for it."""
+    rest = "early saturation, rising training loss, early instability or mostly clipped updates"
+    if not late:
+        return make_verdict(
+            "training_curves",
+            "study",
+            OK,
+            f"The training curves of the {trial_count(judged)} show no overfitting, late noise, late "
+            f"improvement, {rest}.",
+            num_trials=judged,
+            late_best=(),
+        )
+    shown = ", ".join(f"{n} (the best trial)" if n == best else n for n in late[:NAMES_SHOWN])
+    more = f" and {len(late) - NAMES_SHOWN} more" if len(late) > NAMES_SHOWN else ""
+    curve = "their curves" if len(late) > 1 else "its curve"
     return make_verdict(
         "training_curves",
         "study",
         OK,
-        f"The training curves of the {trial_count(judged)} show no overfitting, late noise, late "
-        "improvement, early saturation, rising training loss, early instability or mostly clipped updates.",
+        f"The training curves of the {trial_count(judged)} show no overfitting, late noise, {rest}. The best "
+        f"checkpoint of {shown}{more} is in the last 25% of training, where {curve} "
+        f"gained less than the still-improving threshold ({percent(th.still_improving)} of the whole "
+        f"improvement over the last {percent(th.tail_fraction)}): best_step_position's "
+        '"train longer" stands.',
         num_trials=judged,
+        late_best=tuple(late),
     )

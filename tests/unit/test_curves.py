@@ -171,6 +171,31 @@ def test_the_demos_best_trial_gets_one_reading_train_longer():
     assert found["saturated_early"].facts["saturation_steps"] == (150, 150)
 
 
+def test_a_round_whose_best_checkpoint_is_last_is_not_said_to_have_no_late_improvement():
+    """The demo's round: best_step_position says "train longer" of its best trial (step 270 of
+    300); its gain over the last 25% (0.0185 -> 0.0148, 0.9% of the improvement 0.4) is under
+    still_improving's 5%, so no curve warns, and the all-clear says why the two readings differ
+    instead of "no late improvement"."""
+    steps = list(range(30, 301, 30))
+    r = row("explore-0004", total=300, best_step=270, best_metric=0.0148)
+    h = {"explore-0004": history(DEMO_BEST, DEMO_TRAIN, steps=steps, key="validation/error")}
+    assert best_step_position("explore-0004", 270, 300).message.endswith("train longer and retune the decay.")
+    (v,) = curves.round_verdicts([r], h, "validation/error", "min", TH)
+    assert (v.kind, v.severity, v.facts["late_best"]) == ("training_curves", "ok", ("explore-0004",))
+    assert "late improvement" not in v.message
+    assert v.message.endswith(
+        "The best checkpoint of explore-0004 (the best trial) is in the last 25% of training, where its "
+        "curve gained less than the still-improving threshold (5% of the whole improvement over the "
+        'last 25%): best_step_position\'s "train longer" stands.'
+    )
+    # best 0.2 at step 70 of 100 (not in the last 25%), then within 1.25% of the improvement 0.8
+    middle = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.21, 0.205, 0.21]
+    (v,) = curves.round_verdicts(
+        [row(best_metric=0.2)], {"t-0": history(middle, FALLING)}, "validation/loss", "min", TH
+    )
+    assert v.facts["late_best"] == () and "show no overfitting, late noise, late improvement," in v.message
+
+
 def test_a_rising_training_loss_names_its_lowest_step():
     train = [1.0, 0.5, 0.3, 0.35, 0.45, 0.6, 0.62, 0.64, 0.66, 0.68]
     v = verdicts(history(LINEAR, train))["training_loss_rising"]
