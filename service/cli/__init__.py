@@ -3,6 +3,7 @@ line and runs one command, turning a PlaybookError into one line and its exit co
 
 parser.py  the argument parser: every command, its options and its function
 run.py     running a study: run, validate, demo
+next_round.py  next: the round the last round's verdicts call for (and --append)
 results.py what a study left: status, report, studies, eval (and the trial table they print)
 probes.py  sweeps that pick a setting: find-steps, find-batch-size
 data.py    data sets on disk: data, preprocess

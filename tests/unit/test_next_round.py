@@ -357,3 +357,20 @@ def test_the_chain_says_what_each_round_changed_and_why():
         "extend-2: extend from explore-2, 2 trials x 2000 steps; changed: kind quasi_random -> extend, "
         "trials 16 -> 2, steps 1000 -> 2000 (x2); why: late",
     ]
+
+
+def test_next_refuses_a_study_whose_last_round_has_no_verdicts(tmp_path, capsys):
+    """The stored study file is there (the study started), its verdicts.json is not."""
+    from service import cli
+    from service.core import storage
+    from service.study.checks import resolve_paths
+
+    d = {**copy.deepcopy(STUDY), "storage": str(tmp_path / "runs")}
+    path = tmp_path / "study.yaml"
+    path.write_text(spec.dump_yaml(spec.load_dict(d)))
+    study = resolve_paths(spec.load_file(path))  # as the coordinator stores it
+    storage.write_bytes_atomic(study.layout.study_file, spec.dump_yaml(study).encode())
+    assert cli.main(["next", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"playbook: error: {path}: round explore of study 'nx' has no verdicts yet (not finished)"]
+    assert path.read_text() == spec.dump_yaml(spec.load_dict(d))
