@@ -43,7 +43,6 @@ from service.analysis.seed_noise import ALPHA, welch
 from service.analysis.verdicts import Verdict, numeric_choices
 from service.core.formatting import fmt
 from service.core.ranking import results, sign
-from service.study.chain import round_space
 from service.study.search import CLIP_HPARAM, DEFAULT_STEP_MULTIPLIER, NAME_RE, HParam, Round
 from service.study.spec import Study
 
@@ -102,7 +101,7 @@ def propose(study: Study, round_name: str, rows: list[dict], verdicts: list[Verd
         if fixed:
             return explore_again(study, rnd, fixed, (), notes)
     if rnd.kind in EXPLORATION:
-        space = round_space(study, rnd)
+        space = study.compared_space(rnd)
         search = widenings(verdicts, space) + clip_entries(verdicts, space)
         more = more_trials(rnd, verdicts)
         if search or more:
@@ -126,11 +125,9 @@ def explore_again(
     while base.kind not in EXPLORATION:
         base = study.source_round(base)
     kind = base.kind
-    own = {
-        k: Field(k, v, f"as in round {base.name}") for k, v in (getattr(base, "search", None) or {}).items()
-    }
+    own = {k: Field(k, v, f"as in round {base.name}") for k, v in base.search.items()}
     own.update({f.key: f for f in search})
-    space = {**round_space(study, base), **{k: f.value for k, f in own.items()}}
+    space = {**study.round_space(base), **{k: f.value for k, f in own.items()}}
     fields = [Field("name", next_name(study, base.name), f"after round {rnd.name}")]
     fields.append(Field("kind", kind, f"as round {base.name}"))
     if kind == "grid":
@@ -310,7 +307,7 @@ def winner_fixed(study: Study, rnd: Round, rows: list[dict]) -> tuple[Field, ...
     """The scientific values of a repeat round's best mean, fixed, when they beat the next
     best beyond seed noise (Welch's p < ALPHA over 2+ repeats each; with no seed noise on
     either side, any difference)."""
-    space = round_space(study, rnd)
+    space = study.compared_space(rnd)
     names = [k for k, hp in space.items() if hp.role == "scientific"]
     groups: dict[tuple, list[float]] = {}
     for row in sorted(results(rows), key=lambda r: r["trial_name"]):
@@ -356,7 +353,7 @@ def input_note(v: Verdict) -> str:
 
 def hparam_dict(hp: HParam) -> dict:
     """A search entry as the study file writes it."""
-    if hp.role == "fixed" and getattr(hp, "best_of", None) is not None:
+    if hp.role == "fixed" and hp.best_of is not None:
         return {"role": "fixed", "best_of": hp.best_of}
     if hp.role == "fixed":
         return {"role": "fixed", "value": hp.value}

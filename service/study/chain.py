@@ -11,13 +11,6 @@ from service.study.search import HParam, Round
 from service.study.spec import Study
 
 
-def round_space(study: Study, rnd: Round) -> dict[str, HParam]:
-    """The search space a round's trials are drawn from: the study's `search:`, with the
-    round's own `search:` entries (where the study file gives them) in place of the study's."""
-    own = getattr(rnd, "search", None) or {}
-    return {**study.search, **own}
-
-
 @dataclass(frozen=True)
 class Link:
     """One round in the chain."""
@@ -67,7 +60,7 @@ def round_changes(study: Study, before: Round, rnd: Round) -> list[str]:
         out.append(f"steps {steps[0]} -> {steps[1]}{times}")
     if rnd.kind == before.kind and rnd.seed != before.seed:
         out.append(f"seed {before.seed} -> {rnd.seed}")
-    old, new = round_space(study, before), round_space(study, rnd)
+    old, new = study.round_space(before), study.round_space(rnd)
     for name in [*old, *(n for n in new if n not in old)]:
         if old.get(name) != new.get(name):
             out.append(f"{name} {describe(old.get(name))} -> {describe(new.get(name))}")
@@ -78,7 +71,7 @@ def describe(hp: HParam | None) -> str:
     """A search entry in a few words: `fixed 16`, `nuisance [0.003, 1] log`, `scientific {8, 16}`."""
     if hp is None:
         return "(none)"
-    if hp.role == "fixed" and getattr(hp, "best_of", None) is not None:
+    if hp.role == "fixed" and hp.best_of is not None:
         return f"fixed at the best of round {hp.best_of}"
     if hp.role == "fixed":
         return f"fixed {fmt(hp.value)}"

@@ -1,7 +1,8 @@
 """`playbook next` from a user's folder with the installed command, on the session's Ray cluster:
 a finished one-round study gets a proposal whose YAML parses and that `playbook validate`
-accepts; `--append` writes it into the study file with every other byte kept; `playbook status`
-and `playbook report` show the rounds as a chain; the refusals are one line, exit 2."""
+accepts; `--append` writes it into the study file with every other byte kept; `playbook run`
+then runs the appended round only (round 1's trial folders untouched); `playbook status` and
+`playbook report` show the rounds as a chain with the reason; the refusals are one line, exit 2."""
 
 from __future__ import annotations
 
@@ -96,9 +97,34 @@ def test_next_proposes_and_appends_the_round_the_verdicts_call_for(ray_cluster, 
     line = refused(playbook("next", "other.yaml", cwd=user, env=env, check_exit=2))
     assert "not the file study 'nexty' ran" in line and "training.max_train_steps" in line
 
-    status = playbook("status", "study.yaml", cwd=user, env=env).stdout
-    assert "rounds:\n  explore: quasi_random, 2 trials x 40 steps\n" in status
+    # playbook run runs the appended round only: round 1's trial folders byte for byte, mtimes kept
+    trials = user / "runs" / "nexty" / "trials"
+    before = files_of(trials, "explore-0")
+    playbook("run", "study.yaml", cwd=user, env=env)
+    assert files_of(trials, "explore-0") == before and len(before) > 4
+    names = [f"explore-000{i}" for i in range(2)] + [f"explore-2-000{i}" for i in range(5)]
+    assert sorted(p.name for p in trials.iterdir()) == names
+
+    reason = item["reason"]
+    chain = (
+        "rounds:\n  explore: quasi_random, 2 trials x 40 steps\n"
+        "  explore-2: quasi_random, 5 trials x 40 steps; changed: trials 2 -> 5, seed 0 -> 1; "
+        f"why: {reason}\n"
+    )
+    assert chain in playbook("status", "study.yaml", cwd=user, env=env).stdout
     report = playbook("report", "study.yaml", cwd=user, env=env)
-    assert "  explore: quasi_random, 2 trials x 40 steps" in report.stdout
+    assert chain.split("\n", 1)[1] in report.stdout
     page = (user / "runs" / "nexty" / "report.html").read_text()
     assert "<h2>rounds</h2>" in page and "<td>explore</td><td>quasi_random</td><td>2 x 40</td>" in page
+    assert "<td>trials 2 -&gt; 5, seed 0 -&gt; 1</td>" in page and f"<td>{reason}</td>" in page
+
+
+def files_of(folder, prefix: str) -> dict:
+    """Every file under `folder`'s subfolders named `prefix...`: (its bytes, its mtime in ns)."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for sub in folder.iterdir()
+        if sub.name.startswith(prefix)
+        for p in sorted(sub.rglob("*"))
+        if p.is_file()
+    }

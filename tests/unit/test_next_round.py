@@ -374,3 +374,39 @@ def test_next_refuses_a_study_whose_last_round_has_no_verdicts(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"playbook: error: {path}: round explore of study 'nx' has no verdicts yet (not finished)"]
     assert path.read_text() == spec.dump_yaml(spec.load_dict(d))
+
+
+def test_a_round_with_its_own_search_is_judged_and_widened_in_it_and_its_entries_carried():
+    """Round explore-2 searched learning_rate over [0.01, 5.0] (its own entry); its best trial
+    at momentum 0.94 is at the upper bound of the study's [0.5, 0.95]: the proposal carries
+    explore-2's learning_rate and widens momentum to 0.975; a best learning_rate of 4.9 widens
+    explore-2's range (not the study's) tenfold, to 50."""
+    wide = {"role": "nuisance", "type": "float", "min": 0.01, "max": 5.0, "scale": "log"}
+    study = study_of(rounds=[{"name": "explore", "num_trials": 8}, {"name": "explore-2", "num_trials": 8,
+                     "seed": 1, "search": {"learning_rate": wide}}])  # fmt: skip
+    rows = [
+        {**r, "round": "explore-2", "trial_name": "explore-2-" + r["trial_name"][-4:]}
+        for r in eight(momentum=0.94)
+    ]
+    p = propose(study, "explore-2", rows, of_kind(verdicts_for_round(study, "explore-2", rows), "boundary"))
+    assert fields(p)["name"] == "explore-3" and fields(p)["seed"] == 2
+    assert {f.key: (f.value.min, f.value.max) for f in p.search} == {
+        "learning_rate": (0.01, 5.0),
+        "momentum": (0.5, 0.975),
+    }
+    assert p.search[0].why == "as in round explore-2"
+    rows[0]["hp/learning_rate"], rows[0]["hp/momentum"] = 4.9, 0.7
+    p = propose(study, "explore-2", rows, of_kind(verdicts_for_round(study, "explore-2", rows), "boundary"))
+    assert {f.key: (f.value.min, f.value.max) for f in p.search} == {"learning_rate": (0.01, 50.0)}
+
+
+def test_a_widened_range_appends_as_the_round_own_search_entry():
+    study = spec.load_text(FILE)
+    rows = eight(lr=0.49)
+    p = propose(study, "explore", rows, of_kind(verdicts_for_round(study, "explore", rows), "boundary"))
+    loaded = spec.load_text(append_round(FILE, as_yaml(p, indent=4), "study.yaml"))
+    (rnd,) = loaded.rounds[1:]
+    assert rnd.search == {
+        "learning_rate": HParam(role="nuisance", type="float", min=0.01, max=5.0, scale="log")
+    }
+    assert loaded.round_space(rnd)["momentum"] == study.search["momentum"]  # the rest: the study's
