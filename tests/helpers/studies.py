@@ -108,3 +108,20 @@ def run_within_timeout(study) -> list[dict]:
     thread.join(STUDY_TIMEOUT_S)
     assert "rows" in out, f"study {study.name} did not finish within {STUDY_TIMEOUT_S} s"
     return out["rows"]
+
+
+def folder_state(root) -> dict[str, tuple]:
+    """Every file and folder under `root` (relative path -> (bytes or None for a folder,
+    mtime_ns)): equal before and after means nothing there was written, added or removed."""
+    import os
+
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            data = None
+            if name in files:
+                with open(path, "rb") as f:
+                    data = f.read()
+            out[os.path.relpath(path, root)] = (data, os.stat(path).st_mtime_ns)
+    return out
