@@ -275,7 +275,9 @@ def summarize(plan: TrialPlan, result) -> dict:
 
 def summary_fields(plan: TrialPlan, checkpoint_by_step: dict[int, str], num_checkpoints: int) -> dict:
     """Trial summary from the rank-0 metrics log (Ray keeps only checkpointed reports) and the
-    retained checkpoints (the best one, chosen retrospectively over the whole run)."""
+    retained checkpoints (the best one, chosen retrospectively over the whole run). Its
+    `last_metric` is the last evaluation's: a trial resumed at its last checkpoint reports no
+    evaluation in this attempt, and its row's `metric` comes from here."""
     tr = plan.study.training
     history = read_metrics_log(plan)
     best = best_row(history, tr.metric, tr.mode)
@@ -284,6 +286,7 @@ def summary_fields(plan: TrialPlan, checkpoint_by_step: dict[int, str], num_chec
         tr.metric: best[tr.metric] if best else worst(tr.mode),
         "status": last.get("status", TrialStatus.FINISHED.reported),
         "last_step": last.get("step", 0),
+        "last_metric": last.get(tr.metric),
         "best_step": best["step"] if best else None,
         "best_checkpoint": checkpoint_by_step.get(best["step"]) if best else None,
         "num_checkpoints": num_checkpoints,

@@ -47,6 +47,7 @@ class TrialEvents:
             name,
             status=status,
             step=result.get("last_step"),
+            metric=result.get("last_metric"),  # also when this attempt evaluated nothing (resumed at the end)
             best_metric=result.get(self.metric),
             best_step=result.get("best_step"),
             best_checkpoint=result.get("best_checkpoint"),
