@@ -95,7 +95,7 @@ def propose(study: Study, round_name: str, rows: list[dict], verdicts: list[Verd
     """The round that `round_name`'s verdicts call for (`rows`: the study's trial rows)."""
     rnd = next(r for r in study.rounds if r.name == round_name)
     mine = [r for r in rows if r.get("round") == round_name]
-    notes = tuple(input_note(v) for v in verdicts if v.kind == "input_bound" and v.is_warning)
+    notes = tuple(input_note(v, study) for v in verdicts if v.kind == "input_bound" and v.is_warning)
     if rnd.kind == "repeat":
         fixed = winner_fixed(study, rnd, mine)
         if fixed:
@@ -332,11 +332,13 @@ def winner_fixed(study: Study, rnd: Round, rows: list[dict]) -> tuple[Field, ...
     )
 
 
-def input_note(v: Verdict) -> str:
-    """The study-level input change an `input_bound` warning names."""
+def input_note(v: Verdict, study: Study) -> str:
+    """The input change an `input_bound` warning's cause names: a setting of the study's
+    `input:` section (twice its value where raising it is the cure) or what to do outside it."""
+    prefetch, workers = study.input.prefetch_batches, study.input.num_input_workers
     change = {
-        "prefetch_too_shallow": "raise input.prefetch_batches",
-        "input_workers": "raise input.num_input_workers",
+        "prefetch_too_shallow": f"set input.prefetch_batches: {2 * prefetch} (now {prefetch})",
+        "input_workers": f"set input.num_input_workers: {2 * workers} (now {workers})",
         "online_augmentation": "set input.workers: processes",
         "online_preprocessing": "run `playbook preprocess` offline, or set input.workers: processes",
         "online_decoding": "decode offline with `playbook preprocess`, or set input.workers: processes",
@@ -344,8 +346,7 @@ def input_note(v: Verdict) -> str:
         "remote_io": "cache the data on local disk or colocate it with the cluster",
         "slow_reads": "put the data on faster disk or write fewer, larger row groups",
     }.get(v.facts.get("cause", ""), "see its verdict")
-    waits = f"{v.facts.get('exposed_fraction', 0):.0%}"
-    return f"input_bound: {v.subject} waits {waits} of its steps: {change} (the study's input: section)"
+    return f"input_bound: {v.subject} waits {v.facts.get('exposed_fraction', 0):.0%} of its steps: {change}"
 
 
 # ----------------------------------------------------------------------------- YAML

@@ -26,8 +26,21 @@ def cmd_next(args) -> int:
         text = f.read()
     indent = rounds_block(text, args.study_file)[2] if args.append or proposal.fields else 2
     block = as_yaml(proposal, indent)
-    if args.append and not proposal.empty:
-        append(args.study_file, text, block)
+    if proposal.empty:
+        print(block, end="")
+        return 0
+    try:
+        new_text = appended(args.study_file, text, block)
+    except SpecError as e:
+        if args.append:
+            raise SpecError(f"{args.study_file}: the proposed round is refused: {e}") from None
+        print(f"{block}{' ' * indent}# note: as written, playbook validate refuses it: {e}")
+        return 0
+    if args.append:
+        tmp = f"{args.study_file}.playbook-next.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(new_text)
+        os.replace(tmp, args.study_file)
         print(f"appended round {proposal.fields[0].value} to {args.study_file}:")
     print(block, end="")
     return 0
@@ -88,9 +101,11 @@ def check_ran(study: Study, path: str) -> None:
         )
 
 
-def append(path: str, text: str, block: str) -> None:
-    """Write `block` into the study file after its `rounds:` list, once the new text reads
-    back as the file's study plus one round and every byte outside the block is unchanged."""
+def appended(path: str, text: str, block: str) -> str:
+    """The study file's `text` with `block` after its `rounds:` list, once it reads back as the
+    file's study plus one round that `playbook validate` accepts (the budget too) and every
+    byte outside the block is unchanged; SpecError otherwise."""
+    from service.planning.plan_size import check_budget
     from service.study.rounds_text import append_round
     from service.study.strict import load_yaml
 
@@ -105,7 +120,5 @@ def append(path: str, text: str, block: str) -> None:
         or new_text.replace(block, "", 1).rstrip("\n") != text.rstrip("\n")
     ):
         raise SpecError(f"{path}: the appended round does not read back as one more round; append by hand")
-    tmp = f"{path}.playbook-next.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(new_text)
-    os.replace(tmp, path)
+    check_budget(new)
+    return new_text

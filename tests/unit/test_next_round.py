@@ -6,8 +6,10 @@ other byte of a study file; the rounds shown as a chain."""
 from __future__ import annotations
 
 import copy
+import pathlib
 
 import pytest
+import yaml
 
 from service.analysis import curves
 from service.analysis.input_bound import InputTotals, input_bound
@@ -279,8 +281,7 @@ def test_input_bound_names_the_input_change_as_a_note():
     assert v.facts["cause"] == "prefetch_too_shallow"
     p = propose(study, "explore", eight(), [v])
     assert p.empty and p.notes == (
-        "input_bound: explore-0003 waits 50% of its steps: raise input.prefetch_batches "
-        "(the study's input: section)",
+        "input_bound: explore-0003 waits 50% of its steps: set input.prefetch_batches: 4 (now 2)",
     )
 
 
@@ -410,3 +411,65 @@ def test_a_widened_range_appends_as_the_round_own_search_entry():
         "learning_rate": HParam(role="nuisance", type="float", min=0.01, max=5.0, scale="log")
     }
     assert loaded.round_space(rnd)["momentum"] == study.search["momentum"]  # the rest: the study's
+
+
+def stored_study(tmp_path, **changes) -> pathlib.Path:
+    """A study file whose study has run its one round as far as `playbook next` reads it: the
+    stored (resolved) study file, a trial table of 3 finished trials of 4 (one FAILED) and the
+    round's verdicts. Returns the study file's path."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from service.study.checks import resolve_paths
+
+    d = {**copy.deepcopy(STUDY), "storage": str(tmp_path / "runs"), **changes}
+    del d["rounds"]
+    d["rounds"] = [{"name": "explore", "num_trials": 4}]  # the file's last key
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    study = resolve_paths(spec.load_file(path))
+    folder = pathlib.Path(study.study_uri)
+    folder.mkdir(parents=True)
+    (folder / "study.yaml").write_text(spec.dump_yaml(study))
+    rows = [row(i, 0.1 + 0.01 * i) for i in range(3)] + [{**row(3, None), "status": "FAILED"}]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "trials.parquet")
+    (folder / "verdicts.json").write_text(
+        json.dumps([{"round": "explore", "verdicts": [], "scientific": ""}])
+    )
+    return path
+
+
+def test_a_proposal_over_the_budget_is_said_when_printed_and_refused_when_appended(tmp_path, capsys):
+    """4 trials x 1000 steps planned of a 5000-step budget; the proposal's 8 more trials would
+    plan 12000: printed with the refusal as a note (exit 0), not appended (exit 2, one line)."""
+    from service import cli
+
+    budget = {"compute_bound": True, "max_total_steps": 5000, "first_round_share": 0.9}
+    path = stored_study(tmp_path, budget=budget)
+    text = path.read_text()
+    assert cli.main(["next", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "num_trials: 8" in out and out.endswith(
+        "# note: as written, playbook validate refuses it: budget.max_total_steps: the rounds plan 12000 "
+        "training steps (trials x max_train_steps, summed; a repeat round's num_trials per scientific "
+        "value), more than the budget of 5000\n"
+    )
+    assert cli.main(["next", str(path), "--append"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"playbook: error: {path}: the proposed round is refused: budget.max_total_steps:")
+    assert path.read_text() == text
+
+
+def test_next_appends_to_a_stored_study_without_ray(tmp_path, capsys):
+    from service import cli
+
+    path = stored_study(tmp_path)
+    text = path.read_text()
+    assert cli.main(["next", str(path), "--append"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"appended round explore-2 to {path}:\n")
+    block = out.split("\n", 1)[1]
+    assert path.read_text() == text + block  # rounds: ends the file
+    assert [r.num_trials for r in spec.load_file(path).rounds] == [4, 8]
