@@ -373,3 +373,32 @@ def test_a_round_of_an_unknown_study_or_round_is_refused_in_one_line(tmp_path, c
     assert cli.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "from_round" in err[0], err
+
+
+def test_repeat_and_bayesian_rounds_build_on_another_studys_round(tmp_path):
+    """A repeat round reruns study a's best trial as long as it ran (repeat_of names it); a
+    bayesian round's sampler is warm-started with study a's finished trials."""
+    from service.planning import bayesian
+
+    store(spec.load_dict(dict(growing(tmp_path, {"name": "explore", "num_trials": 3}), name="a")))
+    rounds = [
+        {"name": "again", "kind": "repeat", "from_round": "a/explore", "num_trials": 2},
+        {"name": "tpe", "kind": "bayesian", "from_round": "a/explore", "num_trials": 2},
+    ]
+    b = link_rounds(spec.load_dict(dict(growing(tmp_path, *rounds), name="b")))
+    rows_a = [
+        row("explore-0000", "explore", 0.5, learning_rate=0.1, momentum=0.6, width=4),
+        row("explore-0001", "explore", 0.2, learning_rate=0.3, momentum=0.7, width=4),
+        {
+            **row("explore-0002", "explore", 0.1, learning_rate=0.4, momentum=0.8, width=4),
+            "status": "RUNNING",
+        },
+    ]
+    source = as_source_rows("a", rows_a)
+    configs = plan_round(b, b.rounds[0], source)
+    assert [(c["repeat_of"], c["seed"], c["max_train_steps"]) for c in configs] == [
+        ("a/explore-0001", 1, 40),
+        ("a/explore-0001", 2, 40),
+    ]
+    warm = bayesian.optuna_study(b, b.rounds[1], source, None).trials
+    assert sorted(t.params["learning_rate"] for t in warm) == [0.1, 0.3]  # the finished ones
