@@ -101,6 +101,7 @@ def _train(plan: TrialPlan, topo: Topology, reporter: Reporter, device, batch_so
         plan.layout.profile_trace,
         plan.study.input.profile_steps,
         first_step=progress.step + 1,
+        cuda=pin,
     )
     while progress.step < ctx.max_steps:
         train_step(ctx, progress, batches, profiler)

@@ -14,15 +14,17 @@ from service.core import storage
 
 class StepProfiler:
     """Profiles steps [first_step, first_step + num_steps) of this process, then writes the
-    trace to `uri`. With num_steps 0 (or not rank 0) it does nothing."""
+    trace to `uri`; on a GPU (`cuda`) with the device's kernels and copies beside the host's
+    operations. With num_steps 0 (or not rank 0) it does nothing."""
 
-    def __init__(self, uri: str, num_steps: int, first_step: int):
+    def __init__(self, uri: str, num_steps: int, first_step: int, cuda: bool = False):
         self.uri, self.first, self.last = uri, first_step, first_step + num_steps
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof = None
 
     def before_step(self, step: int) -> None:
         if step == self.first and self.last > self.first:
-            self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+            self._prof = profile(activities=self.activities, record_shapes=False)
             self._prof.__enter__()
 
     def after_step(self, step: int) -> None:
