@@ -108,8 +108,9 @@ def propose(study: Study, round_name: str, rows: list[dict], verdicts: list[Verd
             late = late_majority(verdicts)
             later = ("best checkpoints late: extend once the search space is settled",) if late else ()
             return explore_again(study, rnd, search, more, notes + later)
-    if late_majority(verdicts):
-        return extend(study, rnd, rows, late_majority(verdicts), notes)
+    late = late_majority(verdicts)
+    if late:  # after an extend or repeat round, a clipping verdict rides along (its entries fix values)
+        return extend(study, rnd, rows, late, clip_entries(verdicts, study.round_space(rnd)), notes)
     return Proposal(round_name, notes=notes)
 
 
@@ -147,9 +148,12 @@ def explore_again(
     return Proposal(rnd.name, tuple(fields), tuple(own.values()), notes)
 
 
-def extend(study: Study, rnd: Round, rows: list[dict], late: str, notes: tuple[str, ...]) -> Proposal:
+def extend(
+    study: Study, rnd: Round, rows: list[dict], late: str, search: tuple[Field, ...], notes: tuple[str, ...]
+) -> Proposal:
     """An extend round of `rnd`'s best trial, `DEFAULT_STEP_MULTIPLIER` times as long (less
-    when a compute-bound budget leaves less; none when it leaves no longer round)."""
+    when a compute-bound budget leaves less; none when it leaves no longer round), with the
+    values `search` fixes on top of that trial's configuration."""
     trials = rnd.num_trials if rnd.kind in ("extend", "repeat") else EXTEND_TRIALS
     steps = study.round_steps(rnd)
     multiplier, why = DEFAULT_STEP_MULTIPLIER, "the playbook's rounds grow their length exponentially"
@@ -169,9 +173,11 @@ def extend(study: Study, rnd: Round, rows: list[dict], late: str, notes: tuple[s
         Field("from_round", rnd.name, f"its best trial, {steps} steps"),
         Field("num_trials", trials, "seed repeats of it"),
         Field("step_multiplier", multiplier, f"{fmt(steps * multiplier)} steps: {why}"),
-        Field("reason", f"playbook next after round {rnd.name}: {late}"),
+        Field(
+            "reason", f"playbook next after round {rnd.name}: " + "; ".join([late, *(f.why for f in search)])
+        ),
     )
-    return Proposal(rnd.name, fields, (), notes)
+    return Proposal(rnd.name, fields, search, notes)
 
 
 def next_name(study: Study, base: str) -> str:

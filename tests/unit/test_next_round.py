@@ -473,3 +473,30 @@ def test_next_appends_to_a_stored_study_without_ray(tmp_path, capsys):
     block = out.split("\n", 1)[1]
     assert path.read_text() == text + block  # rounds: ends the file
     assert [r.num_trials for r in spec.load_file(path).rounds] == [4, 8]
+
+
+def test_an_extend_round_late_and_mostly_clipped_is_extended_with_grad_clip_norm_raised():
+    """Round long (an extend round, 3 seeds of 2000 steps) ends late, and most of its best
+    trial's updates were clipped: the next extend round fixes grad_clip_norm at the suggested
+    9.1 on top of the configuration it reruns."""
+    study = study_of(
+        rounds=[{"name": "explore", "num_trials": 8}, {"name": "long", "kind": "extend", "num_trials": 3}]
+    )
+    rows = [row(0, 0.1, best_step=1900, rnd="long", max_train_steps=2000, **{"hp/grad_clip_norm": 1.0})]
+    found = verdicts_for_round(study, "long", rows)
+    found += curves.round_verdicts(
+        rows, {"long-0000": clipped_history(0.8)}, "validation/error", "min", Curves()
+    )
+    p = propose(study, "long", rows, found)
+    assert (fields(p)["kind"], fields(p)["from_round"], fields(p)["step_multiplier"]) == (
+        "extend",
+        "long",
+        2.0,
+    )
+    (clip,) = p.search
+    assert clip.key == "grad_clip_norm" and clip.value == HParam(role="fixed", value=9.1)
+    rounds = [*STUDY["rounds"], {"name": "long", "kind": "extend", "num_trials": 3}, p.round_dict()]
+    new = spec.load_dict({**copy.deepcopy(STUDY), "rounds": rounds})
+    assert new.rounds[-1].search == {
+        "grad_clip_norm": HParam(role="fixed", value=9.1)
+    }  # an extend round takes it
