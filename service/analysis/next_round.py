@@ -14,7 +14,8 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
 * `enough_trials` warning -> the same kind of round again with `MORE_TRIALS_FACTOR` times the
   trials (at least `MIN_TRIALS`), new quasi-random points (its seed + 1);
 * `clipping` warning (most updates clipped), or `early_instability` in a study that does not
-  clip -> `grad_clip_norm` fixed at the round's suggested threshold (`clip_threshold`);
+  clip -> `grad_clip_norm` fixed at the round's suggested threshold (`clip_threshold`) in the
+  round's `search:` (after an extend or repeat round: on the extend round below);
 * these change the search and come first: the playbook settles the search space before it
   trains longer. Without them, best checkpoints late (`best_step_distribution`: most of the
   trials, or of the top quarter, in the last 25%) -> an `extend` round of the best trial with
@@ -183,12 +184,12 @@ def extend(
 def next_name(study: Study, base: str) -> str:
     """`base` without a trailing `-<n>`, numbered from 2 past every round name in the study."""
     stem = base.rsplit("-", 1)[0] if base.rsplit("-", 1)[-1].isdigit() else base
+    if not NAME_RE.match(f"{stem}-2"):  # another study's `study/round`, or too long
+        stem = "round"
     names = {r.name for r in study.rounds}
     n = 2
-    while f"{stem}-{n}" in names or not NAME_RE.match(f"{stem}-{n}"):
+    while f"{stem}-{n}" in names:
         n += 1
-        if n > 10_000:
-            stem = "round"
     return f"{stem}-{n}"
 
 
