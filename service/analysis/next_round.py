@@ -10,7 +10,8 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
   on its side: a log range by a factor of `WIDEN_LOG_FACTOR`, a linear one by its own width (a
   range of non-negative values stops at 0; one inside [0, 1], a fraction, goes at most halfway
   to 1), a choice of numbers by one value past its edge (the ratio of its last two values when
-  they are spaced by one ratio, else their difference);
+  they are spaced by one ratio, else their difference); not a bound past which every trial
+  diverged (`infeasible_region`: the feasible region ends there, a note says so);
 * `enough_trials` warning -> the same kind of round again with `MORE_TRIALS_FACTOR` times the
   trials (at least `MIN_TRIALS`), new quasi-random points (its seed + 1);
 * `clipping` warning (most updates clipped), or `early_instability` in a study that does not
@@ -103,7 +104,8 @@ def propose(study: Study, round_name: str, rows: list[dict], verdicts: list[Verd
             return explore_again(study, rnd, fixed, (), notes)
     if rnd.kind in EXPLORATION:
         space = study.compared_space(rnd)
-        search = widenings(verdicts, space) + clip_entries(verdicts, space)
+        widened, unwidened = widenings(verdicts, space)
+        search, notes = widened + clip_entries(verdicts, space), notes + unwidened
         more = more_trials(rnd, verdicts)
         if search or more:
             late = late_majority(verdicts)
@@ -222,11 +224,26 @@ def more_trials(rnd: Round, verdicts: list[Verdict]) -> tuple[Field, ...]:
     return (Field("num_trials", trials, f"enough_trials: {n} finished, {said}: {trials} trials"),)
 
 
-def widenings(verdicts: list[Verdict], space: Mapping[str, HParam]) -> tuple[Field, ...]:
-    """The widened search entry of each dimension a `boundary` warning names."""
+def widenings(
+    verdicts: list[Verdict], space: Mapping[str, HParam]
+) -> tuple[tuple[Field, ...], tuple[str, ...]]:
+    """The widened search entry of each dimension a `boundary` warning names, and a note for
+    each bound not widened because every trial past it diverged (`infeasible_region`: the
+    feasible region, not the search space, ends there)."""
+    unstable = {
+        (v.subject, v.facts.get("side")) for v in verdicts if v.kind == "infeasible_region" and v.is_warning
+    }
     sides: dict[str, list[Verdict]] = {}
+    notes = []
     for v in verdicts:
-        if v.kind == "boundary" and v.is_warning and v.subject in space:
+        if v.kind != "boundary" or not v.is_warning or v.subject not in space:
+            continue
+        if (v.subject, v.facts["side"]) in unstable:
+            notes.append(
+                f"boundary: {v.subject} at its {v.facts['side']} bound, not widened: every trial past it "
+                "diverged (infeasible_region); stabilise training (warmup, clipping) first"
+            )
+        else:
             sides.setdefault(v.subject, []).append(v)
     out = []
     for name, found in sides.items():
@@ -237,7 +254,7 @@ def widenings(verdicts: list[Verdict], space: Mapping[str, HParam]) -> tuple[Fie
                        f"{v.facts['side']} bound: {said}")  # fmt: skip
         if hp != space[name]:
             out.append(Field(name, hp, "; ".join(why)))
-    return tuple(out)
+    return tuple(out), tuple(notes)
 
 
 def widen(hp: HParam, side: str) -> tuple[HParam, str]:

@@ -500,3 +500,23 @@ def test_an_extend_round_late_and_mostly_clipped_is_extended_with_grad_clip_norm
     assert new.rounds[-1].search == {
         "grad_clip_norm": HParam(role="fixed", value=9.1)
     }  # an extend round takes it
+
+
+def test_a_bound_past_which_every_trial_diverged_is_not_widened():
+    """The best trial at learning_rate 0.49 of [0.01, 0.5], the one trial above it (0.495)
+    diverged: the feasible region ends there, so the range is not widened above (a note says
+    why); momentum's lower bound (0.51) is still widened."""
+    study = study_of()
+    rows = eight(lr=0.49, momentum=0.51)
+    rows.append({**row(8, None, lr=0.495), "status": "DIVERGED"})
+    found = of_kind(verdicts_for_round(study, "explore", rows), "boundary", "infeasible_region")
+    assert {(v.kind, v.subject, v.facts.get("side")) for v in found if v.is_warning} >= {
+        ("boundary", "learning_rate", "upper"),
+        ("infeasible_region", "learning_rate", "upper"),
+    }
+    p = propose(study, "explore", rows, found)
+    assert [(f.key, f.value.min, f.value.max) for f in p.search] == [("momentum", 0.05, 0.95)]
+    assert p.notes == (
+        "boundary: learning_rate at its upper bound, not widened: every trial past it diverged "
+        "(infeasible_region); stabilise training (warmup, clipping) first",
+    )
