@@ -6,9 +6,10 @@ round, which reruns the best trial of each scientific value of its source round 
 times: `num_trials` x the scientific values its source can end with. That is the number of
 distinct scientific values among a quasi_random or grid round's planned trials (planned before
 anything runs, so exactly), one for an extend round (one configuration), at most one per trial
-and per point of the scientific space for a bayesian round, and its own source's for a repeat
-round. It is the most the round runs: a value whose every trial diverged or failed is not
-repeated."""
+and per point of the scientific space for a bayesian round, a round whose own `search:` takes a
+value from another round's best (`best_of`) or another study's round, and its own source's for
+a repeat round. It is the most the round runs: a value whose every trial diverged or failed is
+not repeated."""
 
 from __future__ import annotations
 
@@ -38,14 +39,23 @@ def planned_steps(study: Study) -> int:
 
 def scientific_values(study: Study, rnd: Round) -> int:
     """How many combinations of the scientific hyperparameters' values `rnd`'s trials can have."""
-    names = [k for k, hp in study.search.items() if hp.role == "scientific"]
+    if rnd not in study.rounds:  # another study's round (`Study.linked`): only its kind is known
+        return 1 if rnd.kind == "extend" else bound(study, rnd, study.search)
+    space = study.value_bounds(rnd)
+    names = [k for k, hp in space.items() if hp.role == "scientific"]
     if not names or rnd.kind == "extend":
         return 1
     if rnd.kind == "repeat":
         return scientific_values(study, study.source_round(rnd))
-    if rnd.kind == "bayesian":
-        return min(rnd.num_trials, math.prod(points(study.search[k]) for k in names))
+    if rnd.kind == "bayesian" or any(hp.best_of for hp in study.round_space(rnd).values()):
+        return bound(study, rnd, space)  # planned from trial rows: not before anything runs
     return len({tuple(c["hparams"][k] for k in names) for c in plan_round(study, rnd, [])})
+
+
+def bound(study: Study, rnd: Round, space: dict[str, HParam]) -> int:
+    """At most one combination per trial, and no more than the scientific space holds."""
+    names = [k for k, hp in space.items() if hp.role == "scientific"]
+    return int(min(rnd.num_trials, math.prod(points(space[k]) for k in names)))
 
 
 def points(hp: HParam) -> float:

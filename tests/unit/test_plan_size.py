@@ -88,3 +88,21 @@ def test_a_repeat_round_without_scientific_hyperparameters_repeats_one_trial(tmp
     rounds = [{"name": "explore", "num_trials": 4}, {"name": "rep", "kind": "repeat", "num_trials": 3}]
     code, out, _ = validate(tmp_path, capsys, study_dict(search, rounds))
     assert code == 0 and out.startswith("ok: study tiny: 2 round(s), 7 trials, 700 training steps")
+
+
+def test_a_round_planned_from_rows_is_bounded_by_its_trials_and_scientific_values(tmp_path, capsys):
+    """A round whose own search takes a value from an earlier round's best (`best_of`) is planned
+    from trial rows: before anything runs its scientific values are at most one per trial and
+    no more than the space holds (min(4, 2 widths) = 2), and validate does not plan it."""
+    search = {
+        **QUASI_SEARCH,
+        "momentum": {"role": "nuisance", "min": 0.5, "max": 0.99},
+    }
+    rounds = [
+        {"name": "explore", "num_trials": 8},  # 800
+        {"name": "again", "num_trials": 4, "search": {"momentum": {"role": "fixed", "best_of": "explore"}}},
+        {"name": "rep", "kind": "repeat", "num_trials": 2},  # 2 widths x 2 = 4 trials x 100 = 400
+    ]
+    code, out, err = validate(tmp_path, capsys, study_dict(search, rounds))
+    assert code == 0, err
+    assert out.startswith("ok: study tiny: 3 round(s), 16 trials, 1600 training steps")
