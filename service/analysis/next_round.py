@@ -184,11 +184,14 @@ def extend(
 
 
 def next_name(study: Study, base: str) -> str:
-    """`base` without a trailing `-<n>`, numbered from 2 past every round name in the study."""
+    """`base` without a trailing `-<n>`: itself when no round has that name, else numbered from
+    2 past every round name in the study."""
     stem = base.rsplit("-", 1)[0] if base.rsplit("-", 1)[-1].isdigit() else base
     if not NAME_RE.match(f"{stem}-2"):  # another study's `study/round`, or too long
         stem = "round"
     names = {r.name for r in study.rounds}
+    if stem not in names:
+        return stem
     n = 2
     while f"{stem}-{n}" in names:
         n += 1
@@ -208,7 +211,10 @@ def late_majority(verdicts: list[Verdict]) -> str:
     if spread["early"] * 2 > n or spread["top_early"] * 2 > k:
         return ""
     if spread["late"] * 2 > n or spread["top_late"] * 2 > k:
-        return f"best checkpoints late: {spread['late']} of {n} trials in the last 25% of training"
+        late, top = spread["late"], spread["top_late"]
+        return (
+            f"best checkpoints late: {late} of {n} trials ({top} of the best {k}) in the last 25% of training"
+        )
     return ""
 
 

@@ -153,13 +153,13 @@ def test_late_best_checkpoints_extend_the_best_twice_as_long():
     )
     p = propose(study, "explore", rows, found)
     assert fields(p) == {
-        "name": "extend-2",
+        "name": "extend",
         "kind": "extend",
         "from_round": "explore",
         "num_trials": 2,
         "step_multiplier": 2.0,
-        "reason": "playbook next after round explore: best checkpoints late: 8 of 8 trials in the last 25% "
-        "of training",
+        "reason": "playbook next after round explore: best checkpoints late: 8 of 8 trials (2 of the best 2) "
+        "in the last 25% of training",
     }
 
 
