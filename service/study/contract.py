@@ -3,10 +3,11 @@ will build it, not with the workload's defaults. A model that cannot read the da
 value its trials take (an `lm` context shorter than the data's sequences) is refused before
 anything starts, not in every trial.
 
-The configurations are the study's fixed values with every combination of its searched
-hyperparameters' extremes (each choice, a range's two ends; `HParam.extremes`), for the
-hyperparameters the workload's model reads (its `hparam_defaults`); past MAX_MODELS
-combinations, each extreme alone, the other searched values at their first extreme."""
+The configurations are every combination of the values that bound what a trial takes of each
+hyperparameter the workload's model reads (its `hparam_defaults`): its fixed value, each
+choice, a range's two ends (`HParam.extremes`), in the study's `search:` and in each round's
+(`Study.value_bounds`); past MAX_MODELS combinations, each value alone, the others at their
+first."""
 
 from __future__ import annotations
 
@@ -27,16 +28,17 @@ MAX_MODELS = 16
 
 def model_configs(study: Study, workload: Workload) -> list[dict]:
     """The model hyperparameters to check the workload's contract with (see the module)."""
-    read = {k: hp for k, hp in study.search.items() if k in workload.hparam_defaults}
-    fixed = {k: hp.value for k, hp in read.items() if not hp.searched}
-    searched = {k: [typed(hp, v) for v in hp.extremes] for k, hp in read.items() if hp.searched}
-    if math.prod(len(v) for v in searched.values()) <= MAX_MODELS:
-        return [
-            {**fixed, **dict(zip(searched, combo, strict=True))}
-            for combo in itertools.product(*searched.values())
-        ]
-    first = {k: values[0] for k, values in searched.items()}
-    return [{**fixed, **first, k: v} for k, values in searched.items() for v in values]
+    values: dict[str, list] = {}
+    for space in (study.search, *(study.value_bounds(r) for r in study.rounds)):
+        for k, hp in space.items():
+            seen = values.setdefault(k, []) if k in workload.hparam_defaults else []
+            for v in hp.extremes:
+                if typed(hp, v) not in seen:
+                    seen.append(typed(hp, v))
+    if math.prod(len(v) for v in values.values()) <= MAX_MODELS:
+        return [dict(zip(values, combo, strict=True)) for combo in itertools.product(*values.values())]
+    first = {k: v[0] for k, v in values.items()}
+    return [{**first, k: v} for k, options in values.items() for v in options[1:]] + [first]
 
 
 def typed(hp: HParam, value):

@@ -1,7 +1,8 @@
 """`playbook validate --data` builds the workload's model with the study's own values: the lm
 study (`studies/lm.yaml`, context 128) over the corpus `playbook data text` writes by default
 (sequences of 256 bytes) is refused in one line before anything starts, as is a searched context
-whose lower end is too short; a context that covers the sequences passes."""
+whose lower end is too short, or one a round's own search fixes; a context that covers the
+sequences passes."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def corpus(tmp_path_factory):
     return root
 
 
-def validate(tmp_path, capsys, corpus, **search) -> tuple[int, str]:
+def validate(tmp_path, capsys, corpus, rounds=None, **search) -> tuple[int, str]:
     study = yaml.safe_load((ROOT / "studies/lm.yaml").read_text())
+    study["rounds"] = rounds or study["rounds"]
     study["data"] = {"train": str(corpus / "train"), "validation": str(corpus / "validation")}
     study["storage"] = str(tmp_path / "studies")
     study["search"].update(search)
@@ -54,4 +56,16 @@ def test_a_context_that_covers_the_sequences_passes(tmp_path, capsys, corpus):
     code, err = validate(
         tmp_path, capsys, corpus, context={"role": "nuisance", "type": "choice", "values": [256, 512]}
     )
+    assert code == 0, err
+
+
+def test_a_rounds_own_value_is_checked_too(tmp_path, capsys, corpus):
+    """The study's context covers the sequences; a later round's own search fixes a shorter one."""
+    rounds = [
+        {"name": "explore", "num_trials": 2},
+        {"name": "short", "num_trials": 2, "search": {"context": {"role": "fixed", "value": 128}}},
+    ]
+    code, err = validate(tmp_path, capsys, corpus, rounds, context={"role": "fixed", "value": 256})
+    assert code == 2 and "context=128" in err and "context 128 is shorter" in err, err
+    code, err = validate(tmp_path, capsys, corpus, rounds[:1], context={"role": "fixed", "value": 256})
     assert code == 0, err
