@@ -31,6 +31,7 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -265,8 +266,6 @@ def widenings(
 
 def widen(hp: HParam, side: str) -> tuple[HParam, str]:
     """`hp` widened on `side` (`lower` or `upper`) and what was done, in words."""
-    import dataclasses
-
     if hp.type == "choice":
         values = numeric_choices(hp)
         new = beyond(values, side)
