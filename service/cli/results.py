@@ -197,11 +197,11 @@ def print_chain(study_uri: str) -> None:
     """The stored study's rounds as a chain: what each changed from the one before, and why."""
     from service.core import storage
     from service.study.chain import chain
+    from service.study.checks import load_stored
 
-    uri = StudyLayout(study_uri).study_file
-    if storage.exists(uri):
+    if storage.exists(StudyLayout(study_uri).study_file):
         print("rounds:")
-        for link in chain(spec.load_text(storage.read_bytes(uri).decode(), source=uri)):
+        for link in chain(load_stored(study_uri)):
             print(f"  {link.line()}")
 
 

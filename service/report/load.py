@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from service.core import storage
 from service.core.errors import StudyNotFound
 from service.study import spec
+from service.study.checks import load_stored
 from service.study.layout import StudyLayout
 from service.study.spec import Study
 from service.tracking import provenance, trial_table
@@ -60,7 +61,7 @@ def load(study_uri: str) -> StudyData:
     study_file = layout.study_file
     if not storage.exists(study_file):
         raise StudyNotFound(f"{study_uri}: no stored study there (no study.yaml)")
-    study = spec.load_text(storage.read_bytes(study_file).decode(), source=study_file)
+    study = load_stored(study_uri)  # with the other studies' rounds it builds on
     rows = trial_table.in_round_order(trial_table.read_rows(study_uri))
     histories = {
         row["trial_name"]: metrics_log.read(layout.trial(row["trial_name"]).metrics_log) for row in rows

@@ -56,26 +56,36 @@ def check_workload(study: Study) -> None:
             )
 
 
-def link_rounds(study: Study) -> Study:
+def load_stored(study_uri: str) -> Study:
+    """The study stored at `study_uri` (its study.yaml), with the rounds of other studies it
+    builds on linked from the storage root that holds its folder."""
+    from service.study import spec
+    from service.study.layout import StudyLayout
+
+    uri = StudyLayout(study_uri).study_file
+    study = spec.load_text(storage.read_bytes(uri).decode(), source=uri)
+    return link_rounds(study, root=study_uri.rstrip("/").rsplit("/", 1)[0])
+
+
+def link_rounds(study: Study, root: str | None = None) -> Study:
     """The study with the other studies' rounds its `from_round: other-study/round` entries
-    name (`Study.linked`), read from their study files under the same storage root: each named
-    as its reference, with the max_train_steps that study gives it. An unknown study or round
-    is refused; the study is checked again with them (schedule lengths)."""
+    name (`Study.linked`), read from their study files under the same storage root (`root`,
+    default its storage): each named as its reference, with the max_train_steps that study
+    gives it. An unknown study or round is refused; the study is checked again with them
+    (schedule lengths)."""
     from service.study import spec
     from service.study.layout import StudyLayout
     from service.study.search import Round
 
-    linked = {}
+    linked, root = {}, root or study.storage
     for i, rnd in enumerate(study.rounds):
         if not rnd.from_other_study or rnd.from_round in linked:
             continue
         other_name, _, name = rnd.from_round.partition("/")
-        uri = StudyLayout.of(study.storage, other_name).study_file
+        uri = StudyLayout.of(root, other_name).study_file
         if not storage.exists(uri):
-            raise SpecError(f"rounds[{i}].from_round: no study {other_name!r} under {study.storage}")
-        other = link_rounds(
-            dataclasses.replace(spec.load_text(storage.read_bytes(uri).decode(), uri), storage=study.storage)
-        )
+            raise SpecError(f"rounds[{i}].from_round: no study {other_name!r} under {root}")
+        other = link_rounds(spec.load_text(storage.read_bytes(uri).decode(), uri), root)
         source = next((r for r in other.rounds if r.name == name), None)
         if source is None:
             known = ", ".join(r.name for r in other.rounds)

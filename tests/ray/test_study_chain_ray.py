@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -82,3 +84,15 @@ def test_b_records_its_source_and_leaves_a_untouched(chain):
     with open(b.layout.verdicts) as f:
         (summary,) = json.load(f)
     assert summary["round"] == "longer" and "chain-a/explore-000" in summary["scientific"]
+
+
+def test_status_and_report_of_b_show_the_round_it_builds_on(chain, tmp_path):
+    """Read from storage (no Ray to ask): the stored study is linked to chain-a again."""
+    _, b, _, _ = chain
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    for args in (["status", b.study_uri], ["report", b.study_uri, "--out", str(tmp_path / "b.html")]):
+        out = subprocess.run(
+            [sys.executable, "-m", "service", *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "longer: extend from chain-a/explore, 1 trials x 80 steps" in out.stdout
