@@ -21,7 +21,7 @@ from service.study import spec
 from tests.helpers import kuberay
 from tests.helpers.gcs import emulator_env, list_objects, read_object
 from tests.helpers.ray_head import BIN, job_logs, job_state, start_ray_head, wait_for_job
-from tests.helpers.studies import study_dict
+from tests.helpers.studies import folder_state, study_dict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -112,6 +112,29 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
         timeout=120,
     )
     assert "Invalid authentication token" in refused.stdout + refused.stderr
+
+    # The study grows: the same file with a round appended, submitted again, runs that round
+    # alone; round 1's trial folders are not written to.
+    explore = {
+        n: folder_state(storage / "submitted" / "trials" / n) for n in ("explore-0000", "explore-0001")
+    }
+    study["rounds"].append({"name": "more", "num_trials": 1, "max_train_steps": 100})
+    (work / "study.yaml").write_text(yaml.safe_dump(study))
+    out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+    deadline = time.time() + 300
+    while (
+        job_state(address, job_id, env) not in ("SUCCEEDED", "FAILED", "STOPPED") and time.time() < deadline
+    ):
+        time.sleep(0.5)
+    logs = job_logs(address, job_id, env)
+    assert job_state(address, job_id, env) == "SUCCEEDED", logs[-4000:]
+    assert "2 of 2 trials already done" in logs and "round more: 1 trials" in logs, logs[-4000:]
+    rows = pq.read_table(str(storage / "submitted" / "trials.parquet")).to_pylist()
+    assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001", "more-0000"]
+    assert all(r["status"] == "FINISHED" for r in rows)
+    assert {n: folder_state(storage / "submitted" / "trials" / n) for n in explore} == explore
 
 
 def test_rayjob_entrypoint_runs_on_a_token_auth_head(tmp_path):
