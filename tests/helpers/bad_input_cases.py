@@ -408,6 +408,36 @@ def _(c):
     return run(c), os.path.join(study_dir, "trials.parquet")
 
 
+@case("stored-study-grown-with-an-edited-round")
+def _(c):
+    """Rounds may be added after the stored ones; the stored ones may not change."""
+    from service.study import spec
+    from service.study.checks import resolve_paths
+
+    study_dir = os.path.join(c.storage, "t")
+    os.makedirs(study_dir)
+    with open(os.path.join(study_dir, "study.yaml"), "w") as f:
+        f.write(spec.dump_yaml(resolve_paths(spec.load_dict(c.raw))))
+    c.raw["rounds"] = [{**c.raw["rounds"][0], "num_trials": 3}, {"name": "more", "num_trials": 2}]
+    return run(c), "name"
+
+
+@case("round-search-entry-the-workload-does-not-read")
+def _(c):
+    c.raw["rounds"].append(
+        {"name": "more", "num_trials": 2, "search": {"depth": {"role": "fixed", "value": 3}}}
+    )
+    return run(c), "rounds[1].search.depth"
+
+
+@case("from-round-of-an-unknown-study")
+def _(c):
+    c.raw["rounds"].append(
+        {"name": "longer", "kind": "extend", "num_trials": 1, "from_round": "nobody/explore"}
+    )
+    return run(c), "rounds[1].from_round"
+
+
 # --- what the cluster can hold (checked after connecting, before any trial) --------------------
 @case("resources-more-hosts-than-nodes")
 def _(c):
