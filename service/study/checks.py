@@ -85,13 +85,17 @@ def link_rounds(study: Study, root: str | None = None) -> Study:
         uri = StudyLayout.of(root, other_name).study_file
         if not storage.exists(uri):
             raise SpecError(f"rounds[{i}].from_round: no study {other_name!r} under {root}")
-        other = link_rounds(spec.load_text(storage.read_bytes(uri).decode(), uri), root)
-        source = next((r for r in other.rounds if r.name == name), None)
-        if source is None:
-            known = ", ".join(r.name for r in other.rounds)
+        other = spec.load_text(storage.read_bytes(uri).decode(), uri)
+        names = [r.name for r in other.rounds]
+        if name not in names:
+            known = ", ".join(names)
             raise SpecError(
                 f"rounds[{i}].from_round: study {other_name} has no round {name!r} (its rounds: {known})"
             )
+        # That round's length may rest on rounds before it (linked in turn); never on later ones,
+        # so a chain of studies that refer to each other's later rounds ends.
+        other = link_rounds(dataclasses.replace(other, rounds=other.rounds[: names.index(name) + 1]), root)
+        source = other.rounds[-1]
         linked[rnd.from_round] = Round(
             name=rnd.from_round,
             num_trials=source.num_trials,

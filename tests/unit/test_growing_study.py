@@ -18,7 +18,7 @@ from service.core import storage
 from service.core.errors import SpecError, StudyStopped
 from service.planning.rounds import as_source_rows, plan_round
 from service.study import spec
-from service.study.checks import check_same_study, check_workload, link_rounds
+from service.study.checks import check_same_study, check_workload, link_rounds, load_stored
 from tests.helpers.studies import study_dict
 
 WIDE = {"role": "nuisance", "type": "float", "min": 0.01, "max": 1.0, "scale": "log"}
@@ -402,3 +402,28 @@ def test_repeat_and_bayesian_rounds_build_on_another_studys_round(tmp_path):
     ]
     warm = bayesian.optuna_study(b, b.rounds[1], source, None).trials
     assert sorted(t.params["learning_rate"] for t in warm) == [0.1, 0.3]  # the finished ones
+
+
+def test_studies_that_build_on_each_others_rounds_link_without_end(tmp_path):
+    """a's explore, then b extends it, then a grows by a round extending b's: linking either
+    follows the rounds back in time only (a/explore: 40 steps, b/longer: 80, a/longest: 160)."""
+    a1 = dict(growing(tmp_path, {"name": "explore", "num_trials": 2}), name="a")
+    b = dict(
+        growing(tmp_path, {"name": "longer", "kind": "extend", "from_round": "a/explore", "num_trials": 1}),
+        name="b",
+    )
+    store(spec.load_dict(a1))
+    store(link_rounds(spec.load_dict(b)))
+    a2 = dict(
+        a1,
+        rounds=[
+            *a1["rounds"],
+            {"name": "longest", "kind": "extend", "from_round": "b/longer", "num_trials": 1},
+        ],
+    )
+    a = link_rounds(spec.load_dict(a2))
+    store(a)
+    assert a.round_steps(a.rounds[1]) == 160
+    linked_b = link_rounds(spec.load_dict(b))
+    assert [(r.name, r.max_train_steps) for r in linked_b.linked] == [("a/explore", 40)]
+    assert load_stored(a.study_uri).round_steps(a.rounds[1]) == 160
