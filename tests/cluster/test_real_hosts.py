@@ -127,7 +127,7 @@ def test_make_real_hosts_runs_from_a_clean_working_directory(tmp_path):
             demo.wait()
         left = cluster_leftovers(cluster_id)
         remove_leftovers(left)
-    assert demo.returncode == 0, out[-6000:]
+    assert demo.returncode == 0, out[-12000:]
     assert not left, f"the demo left {left}"
     assert re.search(r"job raysubmit_\w+: SUCCEEDED", out), out[-6000:]
     assert (tmp_path / ".demo" / "real-hosts" / "ray-head.log").exists()

@@ -283,12 +283,32 @@ class NetnsCluster:
 
     def nodes(self) -> list[dict]:
         """Ray's node table from the head's state API: node_id, node_ip, state, resources_total."""
+        return self.state("nodes")
+
+    def state(self, kind: str) -> list[dict]:
+        """One of the head's state API tables (nodes, actors, tasks, placement_groups), detailed."""
         req = urllib.request.Request(
-            f"{self.dashboard}/api/v0/nodes?limit=1000&detail=true",
+            f"{self.dashboard}/api/v0/{kind}?limit=1000&detail=true",
             headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"},
         )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.load(r)["data"]["result"]["result"]
+
+    def what_runs(self) -> str:
+        """The cluster's live actors, unfinished tasks and placement groups, one line each: what
+        a job that does not end is waiting on."""
+        actors = [a for a in self.state("actors") if a["state"] != "DEAD"]
+        tasks = [t for t in self.state("tasks") if t["state"] not in ("FINISHED", "FAILED")]
+        groups = [g for g in self.state("placement_groups") if g["state"] != "REMOVED"]
+        lines = [
+            f"actor {a['class_name']} {a['state']} pid {a.get('pid')} on {(a.get('node_id') or '')[:8]}"
+            for a in actors
+        ]
+        lines += [f"task {t['name']} {t['state']} {(t.get('node_id') or '')[:8]}" for t in tasks]
+        lines += [
+            f"placement group {g['placement_group_id'][:8]} {g['state']} {g.get('bundles')}" for g in groups
+        ]
+        return "\n".join(lines)
 
     def wait_alive(self, host: Host, timeout_s: float = 120) -> None:
         deadline = time.time() + timeout_s

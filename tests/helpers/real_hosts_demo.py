@@ -17,7 +17,7 @@ import sys
 import yaml
 
 from tests.helpers import netns_cluster
-from tests.helpers.ray_head import BIN, wait_for_job
+from tests.helpers.ray_head import BIN, job_logs, wait_for_job
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ROOT = pathlib.Path(".demo/real-hosts").absolute()
@@ -50,6 +50,13 @@ def where_ranks_ran(cluster, study_dir: pathlib.Path) -> list[str]:
     return lines
 
 
+def print_unfinished(cluster, job_id: str) -> None:
+    """An interrupted job (Ctrl-C, or a test's timeout): its log so far and what still runs."""
+    print(f"interrupted while job {job_id} runs; its log so far:", flush=True)
+    print(job_logs(cluster.dashboard, job_id, cluster.env)[-6000:])
+    print(f"what runs on the cluster:\n{cluster.what_runs()}", flush=True)
+
+
 def main() -> int:
     reason = netns_cluster.skip_reason()
     if reason:
@@ -63,7 +70,11 @@ def main() -> int:
             print(f"host {name}: namespace {host.namespace}, address {host.address}", flush=True)
         print(f"ray job submit --address {cluster.dashboard} --working-dir {work} -- playbook run study.yaml")
         job_id = cluster.submit_study(raw, work)
-        state, logs = wait_for_job(cluster.dashboard, job_id, cluster.env, timeout_s=1800)
+        try:
+            state, logs = wait_for_job(cluster.dashboard, job_id, cluster.env, timeout_s=1800)
+        except KeyboardInterrupt:
+            print_unfinished(cluster, job_id)
+            raise
         print(logs[-3000:])
         study_dir = pathlib.Path(raw["storage"]) / raw["name"]
         print(f"job {job_id}: {state}; the study is at {study_dir}")
