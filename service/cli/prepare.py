@@ -3,8 +3,10 @@ module), connect to Ray, and check that the cluster can hold a trial."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+from service.cli import reaper
 from service.study import spec
 
 
@@ -25,11 +27,15 @@ def connect_ray(import_path: list[str] | None = None) -> None:
 
     from service.orchestration.coordinator import NAMESPACE
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    # No RAY_ADDRESS: an embedded Ray of our own ("local"), never a cluster that some other
+    # process happens to run on this machine (what address=None would join), ending with this
+    # process however it ends (`reaper`).
+    with contextlib.nullcontext() if address else reaper.ending_with_this_process():
         ray.init(
-            # No RAY_ADDRESS: an embedded Ray of our own ("local"), never a cluster that some
-            # other process happens to run on this machine (what address=None would join).
-            address=os.environ.get("RAY_ADDRESS") or "local",
+            address=address or "local",
             namespace=NAMESPACE,
             runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **job_env(import_path or [])}},
         )

@@ -27,6 +27,14 @@ class StudyStopped(PlaybookError):
     exit_code = 1
 
 
+class StudyInterrupted(PlaybookError):
+    """A process the study ran in died (its coordinator): the study stopped where it was, what
+    it finished is kept on storage, and running the same command again resumes it. One line,
+    exit code 1."""
+
+    exit_code = 1
+
+
 class StudyNotFound(PlaybookError):
     """No running coordinator and no stored study under that name."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import re
 import time
 
 import ray
@@ -14,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.core import storage
-from service.core.errors import PlaybookError
+from service.core.errors import PlaybookError, StudyInterrupted
 from service.core.trial_status import DONE, TrialStatus
 from service.orchestration.ray_private import remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
@@ -300,8 +301,23 @@ def run_study(study: Study) -> list[dict]:
         if isinstance(e.cause, PlaybookError):  # bad input: its one line, not Ray's traceback
             raise e.cause from None
         raise
+    except ray.exceptions.RayActorError as e:
+        if e.actor_init_failed:
+            raise
+        raise coordinator_died(study, name, e) from None
     finally:
         ray.kill(coordinator)
+
+
+def coordinator_died(study: Study, name: str, error: Exception) -> StudyInterrupted:
+    """The one line for a coordinator that died under the study (its process killed, its node
+    lost): what died, and that a rerun resumes."""
+    pid = re.search(r"\bpid: (\d+)", str(error))
+    return StudyInterrupted(
+        f"the study's coordinator (Ray actor {name}{f', pid {pid.group(1)}' if pid else ''}) died; "
+        f"finished trials and checkpoints are kept in {study.study_uri}: run the same command again "
+        "to resume the study"
+    )
 
 
 def live_status(study_name: str) -> dict | None:

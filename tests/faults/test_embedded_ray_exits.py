@@ -1,0 +1,102 @@
+"""How `playbook run` on an embedded Ray (no RAY_ADDRESS) ends when something is killed under it,
+from the command's side: its coordinator SIGKILLed ends the run with one line naming what died
+and that a rerun resumes (exit 1, no traceback), and the rerun finishes the study; the command
+itself SIGKILLed, SIGTERMed or interrupted leaves none of its Ray's processes (the raylet's
+DashboardAgent and RuntimeEnvAgent among them) alive 20 s later, nor its watcher
+(`service/cli/reaper.py`). Each run's processes are found by its own session, never by name."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.helpers.playbook_process import output, start_run, titles, wait_for_title, watchers_of
+from tests.helpers.processes import end_session, kill_session, session_pids
+from tests.helpers.studies import study_dict
+
+pytestmark = [pytest.mark.timeout(600)]
+GONE_WITHIN_S = 20
+RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\([\w.:-]+ pid=\d+")  # "(Name pid=N) ...": a Ray process's line
+RAY_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING) ")  # ray.init's own log records
+
+
+def write_study(digits_dir, folder, steps: int) -> str:
+    raw = study_dict(
+        digits_dir,
+        folder / "storage",
+        name="embedded",
+        training={"max_train_steps": steps, "eval_every_steps": steps // 4, "schedule": {"kind": "constant"}},
+        rounds=[{"name": "explore", "num_trials": 1}],
+    )
+    path = folder / "study.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def own_lines(err: str) -> list[str]:
+    """The command's own stderr lines: not those Ray forwards from its processes, nor the
+    INFO and WARNING records of starting an embedded Ray."""
+    return [
+        line
+        for line in err.splitlines()
+        if line.strip() and not RAY_FORWARDED.match(line) and not RAY_LOG.match(line)
+    ]
+
+
+def test_a_killed_coordinator_ends_the_run_in_one_line_and_a_rerun_finishes(digits_dir, tmp_path):
+    study_file = write_study(digits_dir, tmp_path, steps=800)
+    proc = start_run(study_file, tmp_path)
+    try:
+        wait_for_title(proc, "ray::ImplicitFunc")  # the trial is training
+        coordinator = wait_for_title(proc, "ray::Coordinator")
+        os.kill(coordinator, signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1
+    finally:
+        kill_session(proc.pid)
+        end_session(proc)
+    out, err = output(tmp_path)
+    assert "Traceback" not in out + err
+    (line,) = own_lines(err)
+    assert line.startswith(
+        f"playbook: error: the study's coordinator (Ray actor study-embedded, pid {coordinator}) died"
+    )
+    assert line.endswith("run the same command again to resume the study")
+
+    rerun = start_run(study_file, tmp_path)
+    try:
+        assert rerun.wait(timeout=400) == 0, output(tmp_path)
+    finally:
+        end_session(rerun)
+    (row,) = pq.read_table(tmp_path / "storage" / "embedded" / "trials.parquet").to_pylist()
+    assert (row["status"], row["step"]) == ("FINISHED", 800)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_killed_run_leaves_none_of_its_ray_processes(digits_dir, tmp_path, sig):
+    proc = start_run(write_study(digits_dir, tmp_path, steps=3000), tmp_path)
+    try:
+        wait_for_title(proc, "ray::ImplicitFunc")
+        agents = [
+            t
+            for t in titles(proc.pid).values()
+            if t.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
+        ]
+        assert len(agents) == 2, titles(proc.pid)  # what outlived a SIGKILLed run
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=60)
+        deadline = time.time() + GONE_WITHIN_S
+        while (session_pids(proc.pid) or watchers_of(proc.pid)) and time.time() < deadline:
+            time.sleep(0.5)
+        left = titles(proc.pid)
+        assert not left, f"alive {GONE_WITHIN_S} s after {sig.name}: {left}"
+        assert not watchers_of(proc.pid)
+    finally:
+        kill_session(proc.pid)
+        for pid in watchers_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
