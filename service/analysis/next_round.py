@@ -269,6 +269,8 @@ def widen(hp: HParam, side: str) -> tuple[HParam, str]:
     if hp.type == "choice":
         values = numeric_choices(hp)
         new = beyond(values, side)
+        if new == (values[0] if side == "lower" else values[-1]):
+            return hp, f"cannot widen past {fmt(new)}"
         ordered = [new, *values] if side == "lower" else [*values, new]
         return dataclasses.replace(hp, values=tuple(ordered)), f"{fmt(new)} added"
     old = float(hp.min if side == "lower" else hp.max)
@@ -299,13 +301,18 @@ def _widened_bound(hp: HParam, side: str) -> float:
 def beyond(values: list, side: str) -> float | int:
     """The next value past the smallest (`lower`) or largest (`upper`) of sorted numbers: their
     last two values' ratio when every neighbouring pair has that ratio (all positive), else the
-    difference of the last two."""
+    difference of the last two; as a range widens, non-negative values stay non-negative and
+    values inside [0, 1] go at most halfway to 1 (the edge itself when it cannot move)."""
     edge, near = (values[0], values[1]) if side == "lower" else (values[-1], values[-2])
     ratios = [b / a for a, b in zip(values, values[1:], strict=False)] if all(v > 0 for v in values) else []
     if ratios and np.allclose(ratios, ratios[0]):
         new = edge * (edge / near)
     else:
         new = edge + (edge - near)
+    if values[0] >= 0:
+        new = max(new, 0)
+        if values[-1] <= 1 and new > edge:  # a fraction
+            new = min(new, (edge + 1) / 2)
     if all(isinstance(v, int) for v in values):
         return int(round(new))
     return float(f"{new:.4g}")

@@ -118,6 +118,8 @@ def test_widening_rules_for_ints_non_negative_ranges_and_choices():
     assert beyond([0.1, 0.2, 0.3], "upper") == 0.4  # ratios 2 and 1.5: the difference
     choice = HParam(role="nuisance", type="choice", values=(8, 16))
     assert widen(choice, "upper")[0].values == (8, 16, 32)
+    assert beyond([0.1, 0.2], "lower") == 0.05 and beyond([0.0, 0.5], "upper") == 0.75  # ratio; halfway to 1
+    assert widen(HParam(role="nuisance", type="choice", values=(0, 1)), "upper")[1] == "cannot widen past 1"
 
 
 # ----------------------------------------------------------------------------- trials
@@ -520,3 +522,39 @@ def test_a_bound_past_which_every_trial_diverged_is_not_widened():
         "boundary: learning_rate at its upper bound, not widened: every trial past it diverged "
         "(infeasible_region); stabilise training (warmup, clipping) first",
     )
+
+
+def test_a_bayesian_round_with_too_few_trials_is_followed_by_one_warm_started_from_it():
+    rounds = [{"name": "explore", "num_trials": 8}, {"name": "tpe", "kind": "bayesian", "num_trials": 3}]
+    study = study_of(rounds=rounds)
+    rows = [row(i, 0.1 + 0.01 * i, rnd="tpe") for i in range(3)]
+    p = propose(study, "tpe", rows, of_kind(verdicts_for_round(study, "tpe", rows), "enough_trials"))
+    assert {k: v for k, v in fields(p).items() if k != "reason"} == {
+        "name": "tpe-2",
+        "kind": "bayesian",
+        "num_trials": 6,
+        "seed": 1,
+        "from_round": "tpe",
+    }
+    spec.load_dict({**copy.deepcopy(STUDY), "rounds": [*rounds, p.round_dict()]})  # a valid round
+
+
+def test_a_grid_round_at_the_edge_of_a_choice_grows_by_one_value_and_counts_its_combinations():
+    """momentum a nuisance choice [0.8, 0.9] x width [8, 16] (scientific): the best trial at
+    momentum 0.9, the largest: 0.9 x 0.9 / 0.8 = 1.0125 is past 1, so halfway from 0.9 to 1,
+    0.95, is added: 3 x 2 = 6 trials."""
+    search = {
+        "learning_rate": {"role": "fixed", "value": 0.1},
+        "momentum": {"role": "nuisance", "type": "choice", "values": [0.8, 0.9]},
+        "width": {"role": "scientific", "type": "choice", "values": [8, 16]},
+    }
+    study = study_of(search=search, rounds=[{"name": "grid", "kind": "grid", "num_trials": 4}])
+    rows = [
+        {**row(i, 0.1 + 0.01 * i, momentum=m, rnd="grid"), "hp/width": w}
+        for i, (m, w) in enumerate([(0.9, 8), (0.8, 8), (0.9, 16), (0.8, 16)])
+    ]
+    p = propose(study, "grid", rows, of_kind(verdicts_for_round(study, "grid", rows), "boundary"))
+    assert (fields(p)["kind"], fields(p)["num_trials"]) == ("grid", 6)
+    assert [(f.key, f.value.values) for f in p.search] == [("momentum", (0.8, 0.9, 0.95))]
+    rounds = [{"name": "grid", "kind": "grid", "num_trials": 4}, p.round_dict()]
+    spec.load_dict({**copy.deepcopy(STUDY), "search": search, "rounds": rounds})  # a valid grid round
