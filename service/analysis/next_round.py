@@ -10,8 +10,9 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
   on its side: a log range by a factor of `WIDEN_LOG_FACTOR`, a linear one by its own width (a
   range of non-negative values stops at 0; one inside [0, 1], a fraction, goes at most halfway
   to 1), a choice of numbers by one value past its edge (the ratio of its last two values when
-  they are spaced by one ratio, else their difference); not a bound past which every trial
-  diverged (`infeasible_region`: the feasible region ends there, a note says so);
+  they are spaced by one ratio, else their difference; within the same limits); not a bound
+  past which every trial diverged (`infeasible_region`: the feasible region ends there, a note
+  says so);
 * `enough_trials` warning -> the same kind of round again with `MORE_TRIALS_FACTOR` times the
   trials (at least `MIN_TRIALS`), new quasi-random points (its seed + 1);
 * `clipping` warning (most updates clipped), or `early_instability` in a study that does not
