@@ -137,13 +137,11 @@ def checkpoint_stall(width: int = 4096) -> dict:
 def lm_step_ratios() -> dict:
     """bench.lm's service loop over a bare loop on the GPU, for a model of realistic size (the
     CPU bench's tiny model is bound by kernel launches here), in fp32 and bf16."""
-    from bench.lm import Setup, measure
+    from bench.lm import gpu_setup, measure
 
-    model = {"depth": 6, "width": 384, "heads": 6}
     out = {}
     for precision in ("fp32", "bf16"):
-        setup = Setup(steps=40, batch=64, seq_len=256, hparams=model, precision=precision, device="cuda")
-        raw = measure(setup, pairs=5)
+        raw = measure(gpu_setup(precision, steps=40), pairs=5)
         out[precision] = {"lm_step_ratio": raw.pop("ratio"), **raw}
     return out
 

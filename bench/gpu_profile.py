@@ -72,16 +72,9 @@ def lm_case(tmp: str) -> tuple[str, str]:
     from bench import lm
     from service.data.text import write_text
 
-    setup = lm.Setup(
-        steps=PROFILED,
-        batch=64,
-        seq_len=256,
-        hparams={"depth": 6, "width": 384, "heads": 6},
-        precision="bf16",
-        device="cuda",
-    )
+    setup = lm.gpu_setup("bf16", PROFILED)
     write_text(f"{tmp}/data", lm.CORPUS_BYTES, setup.seq_len)
-    traced = lm.Setup(**{**setup.__dict__, "steps": WARM_STEPS + PROFILED})
+    traced = lm.gpu_setup("bf16", WARM_STEPS + PROFILED)
     warm = lm.study(f"{tmp}/data", f"{tmp}/warm", traced)
     run_trial(warm, setup.model_hparams, torch.device("cuda"))
     study = with_profile(lm.study(f"{tmp}/data", f"{tmp}/studies", traced))
@@ -131,16 +124,10 @@ def one_loop(name: str) -> None:
 
     with tempfile.TemporaryDirectory(prefix="playbook-loop-") as tmp:
         if name.startswith("lm"):
-            setup = lm.Setup(
-                batch=64,
-                seq_len=256,
-                hparams={"depth": 6, "width": 384, "heads": 6},
-                precision="bf16",
-                device="cuda",
-            )
+            setup = lm.gpu_setup("bf16", 0)
             write_text(f"{tmp}/data", lm.CORPUS_BYTES, setup.seq_len)
             for steps in (20, 400):
-                s = lm.Setup(**{**setup.__dict__, "steps": steps})
+                s = lm.gpu_setup("bf16", steps)
                 if name == "lm-bare":
                     lm.Bare(f"{tmp}/data", s).rates()
                 else:

@@ -45,6 +45,13 @@ class Setup:
 PAIRS, CORPUS_BYTES, THREADS = 11, 600_000, 1
 
 
+def gpu_setup(precision: str, steps: int) -> Setup:
+    """The GPU figures' lm (bench.gpu, bench.gpu_profile): a model of realistic size (the CPU
+    bench's tiny one is bound by kernel launches there), about 10M parameters."""
+    model = {"depth": 6, "width": 384, "heads": 6}
+    return Setup(steps=steps, batch=64, seq_len=256, hparams=model, precision=precision, device="cuda")
+
+
 def study(data_dir: str, storage: str, setup: Setup):
     training = {
         "max_train_steps": setup.steps,
