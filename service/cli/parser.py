@@ -18,6 +18,8 @@ DESCRIPTION = (
     "data | demo."
 )
 
+VERBOSE_HELP = "also show Ray's and Tune's own output (Tune's configuration boxes, Ray's INFO lines)"
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="playbook", description=DESCRIPTION)
@@ -28,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
     add_data_commands(sub)
     c = sub.add_parser("demo", help="write the digits data and run the demo study locally")
     c.add_argument("--study-file", default=DEMO_STUDY)
+    c.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     c.set_defaults(func=cmd_demo)
     return p
 
@@ -36,6 +39,7 @@ def add_study_commands(sub) -> None:
     c = sub.add_parser("run", help="run a study on the Ray cluster in RAY_ADDRESS (or a local one)")
     c.add_argument("study_file")
     c.add_argument("--storage", help="override the study file's storage URI")
+    c.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     c.set_defaults(func=cmd_run)
 
     c = sub.add_parser("validate", help="check a study file; exit 2 with the bad field if wrong")

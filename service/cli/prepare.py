@@ -4,7 +4,9 @@ module), connect to Ray, and check that the cluster can hold a trial."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 
 from service.cli import reaper
 from service.study import spec
@@ -20,25 +22,35 @@ def load_study(path: str, storage_override: str | None = None) -> spec.Study:
     return study
 
 
-def connect_ray(import_path: list[str] | None = None) -> None:
+def connect_ray(import_path: list[str] | None = None, verbose: bool = False) -> str | None:
     """Connect to RAY_ADDRESS or start an embedded Ray; every process of the job imports from
-    `import_path` first (a workload module of one's own, see `workloads.ray_env`)."""
+    `import_path` first (a workload module of one's own, see `workloads.ray_env`). Ray's own
+    INFO records and Tune's output only when `verbose`. Returns the dashboard URL of an embedded
+    Ray (None when connected to a cluster, or already connected)."""
     import ray
 
     from service.orchestration.coordinator import NAMESPACE
+    from service.orchestration.worker_console import VERBOSE_ENV
 
     if ray.is_initialized():
-        return
+        return None
     address = os.environ.get("RAY_ADDRESS")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # The "(Name pid=N)" prefix of the lines Ray forwards from its processes, uncoloured
+        # where they land in a file (a job log) or a pipe.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    env = {"PYTHONUNBUFFERED": "1", **job_env(import_path or []), **({VERBOSE_ENV: "1"} if verbose else {})}
     # No RAY_ADDRESS: an embedded Ray of our own ("local"), never a cluster that some other
     # process happens to run on this machine (what address=None would join), ending with this
     # process however it ends (`reaper`).
     with contextlib.nullcontext() if address else reaper.ending_with_this_process():
-        ray.init(
+        context = ray.init(
             address=address or "local",
             namespace=NAMESPACE,
-            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **job_env(import_path or [])}},
+            runtime_env={"env_vars": env},
+            logging_level=logging.INFO if verbose else logging.WARNING,
         )
+    return None if address else context.dashboard_url or None
 
 
 def job_env(import_path: list[str]) -> dict[str, str]:

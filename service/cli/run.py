@@ -7,7 +7,7 @@ import os
 import sys
 
 from service.cli.prepare import check_cluster, connect_ray, load_study
-from service.cli.results import print_table, print_verdicts
+from service.cli.results import print_table
 from service.core.trial_status import TrialStatus
 from service.study import spec
 
@@ -50,17 +50,18 @@ def cmd_run(args) -> int:
 
     check_available(study)
     paths = workloads.import_path(args.study_file)
-    connect_ray(paths)
+    dashboard = connect_ray(paths, verbose=args.verbose)
     check_cluster(study)  # before anything is written
+    if dashboard:
+        print(f"ray: a local Ray for this run, its dashboard at http://{dashboard}")
     record = provenance.capture(study.study_uri, study.workload, paths)
     from service.data.preprocess import record_in_study
 
     for line in record_in_study(study):
         print(line)
     print(provenance.summary(record))
-    rows = run_study(study)
+    rows = run_study(study)  # its lines as it goes; each round's verdicts when the round ends
     print_table(rows, study.training.metric, study.training.mode)
-    print_verdicts(study.study_uri)
     failed = [r["trial_name"] for r in rows if r.get("status") == TrialStatus.FAILED]
     if failed:
         print(f"playbook: {len(failed)} trial(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -77,4 +78,4 @@ def cmd_demo(args) -> int:
     if not storage.exists(raw.data.train):
         print(f"writing the digits dataset to {data_root}")
         write_digits(data_root)
-    return cmd_run(argparse.Namespace(study_file=args.study_file, storage=None))
+    return cmd_run(argparse.Namespace(study_file=args.study_file, storage=None, verbose=args.verbose))

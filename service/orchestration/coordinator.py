@@ -28,6 +28,7 @@ from service.study.layout import StudyLayout
 from service.study.search import Round
 from service.study.spec import Study
 from service.tracking import observe
+from service.tracking.console import ConsoleLines
 from service.tracking.progress import ProgressLimiter
 from service.tracking.trial_events import TrialEvents
 from service.tracking.trial_table import TrialTable, read_rows
@@ -39,6 +40,8 @@ NAMESPACE = "playbook"
 # start, an end and a tail, where slots idle while the last trials finish (docs/performance.md).
 MIN_TRIALS_PER_TUNE_RUN = 512
 TUNE_RUN_SLOT_TRIALS = 32
+# How often the command that started a study fetches and prints the coordinator's new lines.
+CONSOLE_POLL_S = 0.5
 # A Tune run whose TuneRun process died is started again (for its trials not done) this often.
 MAX_TUNE_RUN_RESTARTS = 2
 
@@ -72,7 +75,8 @@ class Coordinator:
         )
         self.table.load_existing()
         self.observers.limiter = ProgressLimiter(study.tracking.progress_interval_s)
-        self.events = TrialEvents(self.table, self.observers, study.training.metric)
+        self.console = ConsoleLines()  # what the study says to its user (`console_lines`)
+        self.events = TrialEvents(self.table, self.observers, study.training.metric, self.console.say)
         self.observers.metrics.start_republishing()
         self.state = "starting"
         self.current_round: str | None = None
@@ -105,7 +109,7 @@ class Coordinator:
             summaries.append(summary)
             storage.write_json(self.study.layout.verdicts, summaries)
             for line in log_lines(summary):
-                print(line, flush=True)
+                self.console.say(line)
         self.state = "finished"
         self._write_rows(state="finished")
         return self.table.snapshot()
@@ -154,20 +158,18 @@ class Coordinator:
         # trial folder), so restoring Tune's experiment adds nothing.
         todo = self._not_done(configs)
         if len(todo) < len(configs):
-            print(
+            self.console.say(
                 f"round {rnd.name}: resuming from {self.study.study_uri}: "
-                f"{len(configs) - len(todo)} of {len(configs)} trials already done",
-                flush=True,
+                f"{len(configs) - len(todo)} of {len(configs)} trials already done"
             )
         if not todo:
             return 0
         concurrency = self._concurrency(rnd)
         size = rnd.trials_per_tune_run or max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS * concurrency)
         runs = math.ceil(len(todo) / size)
-        print(
+        self.console.say(
             f"round {rnd.name}: {len(todo)} trials, at most {concurrency} at once"
-            + (f", in {runs} Tune runs of up to {size}" if runs > 1 else ""),
-            flush=True,
+            + (f", in {runs} Tune runs of up to {size}" if runs > 1 else "")
         )
         self._tune_runs(rnd.name, [todo[i : i + size] for i in range(0, len(todo), size)], concurrency, last)
         return len(todo)
@@ -176,7 +178,7 @@ class Coordinator:
         """One Tune run whose searcher plans the round's trials one at a time; their rows appear
         as they start (`trial_event`). A resumed round runs only the trials it still lacks."""
         todo, first = bayesian.remaining(rnd, self.table.snapshot())
-        print(f"round {rnd.name}: {todo} trials, one at a time (bayesian)", flush=True)
+        self.console.say(f"round {rnd.name}: {todo} trials, one at a time (bayesian)")
         if not todo:
             return 0
         runner = self.spare_runner or tune_runner()
@@ -216,10 +218,9 @@ class Coordinator:
                     if restarts > MAX_TUNE_RUN_RESTARTS:
                         raise
                     configs = self._not_done(configs)
-                    print(
+                    self.console.say(
                         f"round {name}: its Tune run's process died ({type(e).__name__}); starting "
-                        f"{len(configs)} trials not done again, from their checkpoints",
-                        flush=True,
+                        f"{len(configs)} trials not done again, from their checkpoints"
                     )
                     remove_placement_groups_of(runner)
                     runner = tune_runner()
@@ -242,6 +243,11 @@ class Coordinator:
                 **row_fields(trial),
             )
         getattr(self.events, kind)(trial, *args)
+
+    def console_lines(self, since: int) -> tuple[int, list[str]]:
+        """The study's lines for its user from number `since` on, and the next number
+        (`ConsoleLines.since`): `run_study` prints them in the command that started the study."""
+        return self.console.since(since)
 
     def _concurrency(self, rnd: Round) -> int:
         return rnd.max_concurrent_trials or trials_that_fit(self.study, ray.cluster_resources())
@@ -279,8 +285,9 @@ def tune_runner():
     return TuneRun.options(scheduling_strategy=on_this_node()).remote()
 
 
-def run_study(study: Study) -> list[dict]:
-    """Start the study's coordinator on the connected Ray cluster and wait for it."""
+def run_study(study: Study, say=None) -> list[dict]:
+    """Start the study's coordinator on the connected Ray cluster and wait for it, passing what
+    it says to its user to `say` (default: print) as it goes."""
     name = actor_name(study.name)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
@@ -296,7 +303,7 @@ def run_study(study: Study) -> list[dict]:
         name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}, scheduling_strategy=on_this_node()
     ).remote(study)
     try:
-        return ray.get(coordinator.run.remote())
+        return follow(coordinator, coordinator.run.remote(), say or (lambda line: print(line, flush=True)))
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, PlaybookError):  # bad input: its one line, not Ray's traceback
             raise e.cause from None
@@ -307,6 +314,22 @@ def run_study(study: Study) -> list[dict]:
         raise coordinator_died(study, name, e) from None
     finally:
         ray.kill(coordinator)
+
+
+def follow(coordinator, done: ray.ObjectRef, say) -> list[dict]:
+    """Wait for the coordinator's `run` (`done`), passing its lines to `say` every
+    CONSOLE_POLL_S and once more at the end: the lines of a run that failed are all said too."""
+    number = 0
+    while True:
+        finished = bool(ray.wait([done], timeout=CONSOLE_POLL_S)[0])
+        try:
+            number, lines = ray.get(coordinator.console_lines.remote(number))
+        except ray.exceptions.RayActorError:  # it died: `done` says how
+            lines = []
+        for line in lines:
+            say(line)
+        if finished:
+            return ray.get(done)
 
 
 def coordinator_died(study: Study, name: str, error: Exception) -> StudyInterrupted:

@@ -17,6 +17,7 @@ from ray.tune.logger import JsonLoggerCallback
 
 from service.core import storage
 from service.core.trial_status import TrialStatus
+from service.orchestration.worker_console import quiet_tune
 from service.study.layout import StudyLayout
 from service.study.search import Round
 from service.study.spec import Study
@@ -137,6 +138,7 @@ class TuneRun:
         # the trial table are its record, and Ray 2.60 keeps every trial's TensorBoard writer
         # (an open file, a lock, a thread) in the process after the trial ends.
         os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
+        quiet_tune()
 
     def fit(self, study: Study, name: str, configs: list[dict], concurrency: int, coordinator) -> None:
         # A trial's process (and its imports: torch, the workload) serves the run's next

@@ -1,12 +1,34 @@
 """What a Ray Train or Tune worker process prints: Ray's per-report INFO lines and the warnings
-that are not the user's to act on go to Ray's log files, not the job log; a SIGTERM at the end
-of a run prints no traceback."""
+that are not the user's to act on go to Ray's log files, not the job log; Tune's own output is
+not printed; a SIGTERM at the end of a run prints no traceback. `playbook run --verbose` sets
+VERBOSE_ENV in every process of its job, which brings Tune's output back."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
+
+VERBOSE_ENV = "PLAYBOOK_VERBOSE"
+
+
+def verbose() -> bool:
+    """Whether this process belongs to a `playbook run --verbose` job."""
+    return os.environ.get(VERBOSE_ENV) == "1"
+
+
+def quiet_tune() -> None:
+    """Call in the process that runs a Tune run, before it starts. Tune's output engine prints
+    a configuration box, "View detailed results here" and blank lines at any verbosity; its
+    legacy engine at verbose=0 prints nothing. Tune's INFO records ("Wrote the latest version of
+    all result files ...") are dropped; its warnings and errors are shown. The study's own lines
+    say what happens (`tracking.trial_events`). Unless `verbose()`."""
+    if verbose():
+        return
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    logging.getLogger("ray.tune").setLevel(logging.WARNING)
+
 
 NOT_THE_USERS_PROBLEM = ("`broadcast_buffers` is deprecated",)
 """Starts of Python warnings a Train worker sends to Ray Train's log file instead of the job

@@ -1,8 +1,11 @@
-"""The coordinator's side of Tune's trial events: the trial table's rows, progress lines in the
-job log, the study's Ray metrics and the MLflow mirror. Tune runs in another process
+"""The coordinator's side of Tune's trial events: the trial table's rows, one line per event a
+person cares about (`say`: a trial started or resumed, evaluated, finished, diverged, failed),
+the study's Ray metrics and the MLflow mirror. Tune runs in another process
 (`service.orchestration.tune_run`), whose callback sends each event here, one at a time and in order."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
@@ -16,13 +19,27 @@ from service.tracking.trial_table import TrialTable
 class TrialEvents:
     """`trial` is the trial's plan as Tune got it (`trial_name`, `max_train_steps`, ...)."""
 
-    def __init__(self, table: TrialTable, observers: StudyObservers | None, metric: str):
+    def __init__(
+        self,
+        table: TrialTable,
+        observers: StudyObservers | None,
+        metric: str,
+        say: Callable[[str], None] | None = None,
+    ):
         self.table, self.observers, self.metric = table, observers, metric
+        self.say = say or (lambda line: print(line, flush=True))
         self.mirror = observers.mirror if observers else None
         self.limiter = observers.limiter if observers else ProgressLimiter(0)
 
     def started(self, trial: dict) -> None:
-        self.table.update(trial["trial_name"], status=TrialStatus.RUNNING)
+        name, total = trial["trial_name"], trial["max_train_steps"]
+        reached = self.table.rows.get(name, {}).get("step")
+        self.table.update(name, status=TrialStatus.RUNNING)
+        if reached:
+            self.say(f"[{name}] resumed from its latest checkpoint (step {reached}/{total} reached before)")
+        else:
+            hparams = " ".join(f"{k}={fmt(v)}" for k, v in trial.get("hparams", {}).items())
+            self.say(f"[{name}] started: {total} steps, {hparams}".rstrip(", "))
         self.table.save_soon()  # and the study's index row (the table's on_save)
         if self.mirror:
             self.mirror.trial_started(trial)
@@ -38,7 +55,7 @@ class TrialEvents:
             self.mirror.report(name, result)
         self.table.update(name, status=TrialStatus.RUNNING, step=step, metric=result.get(self.metric))
         if self.limiter.should_print(name, step, total):
-            print(progress_line(name, result, total, self.metric), flush=True)
+            self.say(progress_line(name, result, total, self.metric))
 
     def _summary(self, name: str, result: dict) -> None:
         diverged = result.get("status") == TrialStatus.DIVERGED.reported
@@ -57,10 +74,10 @@ class TrialEvents:
         if status == TrialStatus.FINISHED and row.get("best_step") is not None:
             verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
             self.table.update(name, step_verdict=verdict.message if verdict.is_warning else "ok")
-        print(
-            f"[{name}] {status.lower()}: best {self.metric}={fmt(row.get('best_metric'))} "
-            f"at step {row.get('best_step')}",
-            flush=True,
+        at = f" at step {row.get('diverged_at_step')}" if diverged else ""
+        self.say(
+            f"[{name}] {status.lower()}{at}: best {self.metric}={fmt(row.get('best_metric'))} "
+            f"at step {row.get('best_step')}"
         )
         self._done(name, row)
 
@@ -72,7 +89,7 @@ class TrialEvents:
         row = self.table.update(name, status=TrialStatus.FAILED, error=error)
         self.table.save_soon()
         self._done(name, row)
-        print(f"[{name}] FAILED: {error}", flush=True)
+        self.say(f"[{name}] FAILED: {error}")
 
     def _done(self, name: str, row: dict) -> None:
         self.limiter.forget(name)  # nothing per trial stays behind in the coordinator but its row

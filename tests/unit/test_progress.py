@@ -1,9 +1,13 @@
 """Live progress lines: at most one per trial per interval (plus first and last), the ETA from
-the reported rate, and the line's fields."""
+the reported rate, and the line's fields; the lines the coordinator keeps for the command that
+started the study, and the line each trial event says."""
 
 from __future__ import annotations
 
+from service.tracking.console import ConsoleLines
 from service.tracking.progress import ProgressLimiter, eta_s, format_duration, progress_line
+from service.tracking.trial_events import TrialEvents
+from service.tracking.trial_table import TrialTable
 
 
 class FakeClock:
@@ -41,3 +45,37 @@ def test_eta_and_line():
     assert line.startswith("[explore-0001] step 40/100 (40%) ")
     for part in ("train/loss=0.5", "validation/loss=0.25", "best=0.25 at 40", "3 steps/s", "ETA 20s"):
         assert part in line
+
+
+def test_console_lines_are_fetched_in_order_and_a_slow_reader_is_told_what_it_missed():
+    console = ConsoleLines(keep=3)
+    for i in range(2):
+        console.say(f"line {i}")
+    assert console.since(0) == (2, ["line 0", "line 1"])
+    assert console.since(2) == (2, [])
+    for i in range(2, 6):
+        console.say(f"line {i}")
+    # lines 0-5 said, 3-5 kept: a reader at 2 missed line 2, one at 4 gets 4 and 5
+    assert console.since(2) == (6, ["(1 earlier lines were not kept)", "line 3", "line 4", "line 5"])
+    assert console.since(4) == (6, ["line 4", "line 5"])
+
+
+def test_trial_events_say_one_line_per_event(tmp_path):
+    said = []
+    table = TrialTable(str(tmp_path / "study"), "validation/loss", "min")
+    events = TrialEvents(table, None, "validation/loss", said.append)
+    trial = {"trial_name": "explore-0000", "max_train_steps": 100, "hparams": {"learning_rate": 0.1}}
+    table.update("explore-0000", round="explore", status="PENDING", max_train_steps=100)
+    events.started(trial)
+    events.result(trial, {"step": 40, "validation/loss": 0.5, "best_metric": 0.5, "best_step": 40})
+    events.started(trial)  # Tune started it again after its process died: it resumes
+    summary = {"summary": True, "status": "diverged", "last_step": 60, "validation/loss": 0.5}
+    events.result(trial, {**summary, "best_step": 40, "diverged_at_step": 60})
+    assert said[0] == "[explore-0000] started: 100 steps, learning_rate=0.1"
+    assert said[1].startswith("[explore-0000] step 40/100 (40%) ")
+    assert said[2:] == [
+        "[explore-0000] resumed from its latest checkpoint (step 40/100 reached before)",
+        "[explore-0000] diverged at step 60: best validation/loss=0.5 at step 40",
+    ]
+    events.error({"trial_name": "explore-0001", "max_train_steps": 100}, "ValueError: bad (all of it: x)")
+    assert said[-1] == "[explore-0001] FAILED: ValueError: bad (all of it: x)"
