@@ -12,7 +12,6 @@ prints before anything runs.
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -94,9 +93,8 @@ def _saved_values(study: Study, row: Mapping[str, Any], metric_name: str):
     """(split, per-example values, weights) of `metric_name` in the row's predictions at its
     best step -- the sample's (`validation-sample`), or the full set's (`validation`) where no
     sample file was written -- or None when neither file (or column) was saved."""
-    import pyarrow.parquet as pq
-
     from service.core import storage
+    from service.core.tables import read_parquet
     from service.planning.trial import TrialPlan
 
     if row.get("best_step") is None:
@@ -105,7 +103,7 @@ def _saved_values(study: Study, row: Mapping[str, Any], metric_name: str):
     for split in ("validation-sample", "validation"):
         uri = plan.predictions_uri(split, int(row["best_step"]))
         if storage.exists(uri):
-            table = pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False)
+            table = read_parquet(storage.read_bytes(uri))
             column = f"metric/{metric_name}"
             if column not in table.column_names:
                 return None

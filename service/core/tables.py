@@ -23,6 +23,14 @@ def columns(rows: Sequence[Mapping[str, Any]], first: Iterable[str]) -> dict[str
     return {k: [r.get(k) for r in rows] for k in names}
 
 
+def read_parquet(data: bytes) -> pa.Table:
+    """A parquet file's bytes as a table, decoded on this thread. Not `pq.read_table`: its
+    dataset reader hands work to Arrow's threads even with use_threads=False, and a process that
+    exits soon after (a one-line refusal, exit 2) then dies in one of them at the interpreter's
+    exit (`terminate called without an active exception`, exit 134; seen once torch is loaded)."""
+    return pq.ParquetFile(io.BytesIO(data), pre_buffer=False).read(use_threads=False)
+
+
 def write_parquet_csv(table: pa.Table, parquet_uri: str, csv_uri: str) -> None:
     """Write `table` (e.g. `pa.table(columns(...))`) as parquet and as CSV."""
     buf = io.BytesIO()

@@ -305,10 +305,10 @@ def check_stored_study(study: Study) -> None:
     """A rerun resumes from the stored trial table: it must be readable."""
     uri = study.layout.trials_parquet
     if storage.exists(uri):
-        import io
+        from service.core.tables import read_parquet
 
         try:
-            pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False)
+            read_parquet(storage.read_bytes(uri))
         except Exception as e:
             raise StorageError(
                 f"{uri}: the stored trial table is unreadable ({str(e).splitlines()[0]})"

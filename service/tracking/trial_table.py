@@ -4,13 +4,11 @@ to `<study>/trials.parquet` and `<study>/trials.csv` when a trial changes state 
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections.abc import Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from service.core import storage, tables
 from service.study.layout import StudyLayout
@@ -56,9 +54,7 @@ class TrialTable:
     def load_existing(self) -> None:
         """Pick up the rows of an earlier, interrupted run of the same study."""
         if storage.exists(self.parquet_uri):
-            table = pq.read_table(
-                io.BytesIO(storage.read_bytes(self.parquet_uri)), pre_buffer=False, use_threads=False
-            )
+            table = tables.read_parquet(storage.read_bytes(self.parquet_uri))
             for row in table.to_pylist():
                 self.rows[row["trial_name"]] = {k: v for k, v in row.items() if v is not None}
 
@@ -101,8 +97,7 @@ def read_rows(study_uri: str) -> list[dict]:
     uri = StudyLayout(study_uri).trials_parquet
     if not storage.exists(uri):
         return []
-    # Read on this thread: Python-owned bytes (see data.files.ParquetReader.read_row_group).
-    return pq.read_table(io.BytesIO(storage.read_bytes(uri)), pre_buffer=False, use_threads=False).to_pylist()
+    return tables.read_parquet(storage.read_bytes(uri)).to_pylist()
 
 
 def in_round_order(rows: list[dict]) -> list[dict]:

@@ -6,10 +6,8 @@ other byte of a study file; the rounds shown as a chain."""
 from __future__ import annotations
 
 import copy
-import pathlib
 
 import pytest
-import yaml
 
 from service.analysis import curves
 from service.analysis.input_bound import InputTotals, input_bound
@@ -22,41 +20,13 @@ from service.study.rounds_text import append_round
 from service.study.search import HParam
 from service.study.sections import Curves
 from service.study.strict import load_yaml
-
-STUDY = {
-    "name": "nx",
-    "workload": "digits",
-    "data": {"train": "d/train", "validation": "d/val"},
-    "training": {"max_train_steps": 1000, "batch_size": 32, "eval_every_steps": 100},
-    "search": {
-        "learning_rate": {"role": "nuisance", "type": "float", "min": 0.01, "max": 0.5, "scale": "log"},
-        "momentum": {"role": "nuisance", "type": "float", "min": 0.5, "max": 0.95},
-        "width": {"role": "fixed", "value": 16},
-    },
-    "rounds": [{"name": "explore", "num_trials": 8}],
-}
+from tests.helpers.next_round import STUDY, row, stored_study
 
 
 def study_of(**changes) -> spec.Study:
     d = copy.deepcopy(STUDY)
     d.update(changes)
     return spec.load_dict(d)
-
-
-def row(i, metric, lr=0.1, momentum=0.7, best_step=500, rnd="explore", **extra) -> dict:
-    return {
-        "trial_name": f"{rnd}-{i:04d}",
-        "round": rnd,
-        "status": "FINISHED",
-        "best_metric": metric,
-        "best_step": best_step,
-        "step": 1000,
-        "max_train_steps": 1000,
-        "hp/learning_rate": lr,
-        "hp/momentum": momentum,
-        "hp/width": 16,
-        **extra,
-    }
 
 
 def eight(**best) -> list[dict]:
@@ -413,34 +383,6 @@ def test_a_widened_range_appends_as_the_round_own_search_entry():
         "learning_rate": HParam(role="nuisance", type="float", min=0.01, max=5.0, scale="log")
     }
     assert loaded.round_space(rnd)["momentum"] == study.search["momentum"]  # the rest: the study's
-
-
-def stored_study(tmp_path, **changes) -> pathlib.Path:
-    """A study file whose study has run its one round as far as `playbook next` reads it: the
-    stored (resolved) study file, a trial table of 3 finished trials of 4 (one FAILED) and the
-    round's verdicts. Returns the study file's path."""
-    import json
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from service.study.checks import resolve_paths
-
-    d = {**copy.deepcopy(STUDY), "storage": str(tmp_path / "runs"), **changes}
-    del d["rounds"]
-    d["rounds"] = [{"name": "explore", "num_trials": 4}]  # the file's last key
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    study = resolve_paths(spec.load_file(path))
-    folder = pathlib.Path(study.study_uri)
-    folder.mkdir(parents=True)
-    (folder / "study.yaml").write_text(spec.dump_yaml(study))
-    rows = [row(i, 0.1 + 0.01 * i) for i in range(3)] + [{**row(3, None), "status": "FAILED"}]
-    pq.write_table(pa.Table.from_pylist(rows), folder / "trials.parquet")
-    (folder / "verdicts.json").write_text(
-        json.dumps([{"round": "explore", "verdicts": [], "scientific": ""}])
-    )
-    return path
 
 
 def test_a_proposal_over_the_budget_is_said_when_printed_and_refused_when_appended(tmp_path, capsys):
