@@ -70,19 +70,16 @@ def check_ran(study: Study, path: str) -> None:
     import json
 
     from service.core import storage
-    from service.study.checks import _run_only, changed_fields, check_stored_study
+    from service.study.checks import changed_from_stored
 
     layout = study.layout
-    if not storage.exists(layout.study_file):
+    found = changed_from_stored(study)
+    if found is None:
         raise StudyNotFound(
             f"{path}: study {study.name!r} has not run (no {layout.study_file}): run it first"
         )
-    stored = spec.load_text(storage.read_bytes(layout.study_file).decode(), source=layout.study_file)
-    check_stored_study(study)
-    old, new = spec.to_dict(stored), spec.to_dict(study)
-    ran = len(old["rounds"])
-    changed = changed_fields(old, {**new, "rounds": new["rounds"][:ran]})
-    changed = [p for p in changed if not _run_only(p)]
+    stored, changed = found
+    ran = len(stored.rounds)
     if changed:
         raise SpecError(
             f"{path}: not the file study {study.name!r} ran (it differs from {layout.study_file} in "

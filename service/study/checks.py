@@ -377,13 +377,12 @@ def _run_only(path: str) -> bool:
     return re.sub(r"\[\d+\]", "[]", path) in RUN_ONLY_FIELDS
 
 
-def check_same_study(study: Study) -> None:
-    """A rerun resumes the stored study; a *different* study under the same name and storage
-    would silently mix with it, so it is refused. Only `RUN_ONLY_FIELDS` may change, and new
-    rounds may be added after the stored ones (the rerun runs them: the study grows)."""
+def changed_from_stored(study: Study) -> tuple[Study, list[str]] | None:
+    """The stored study of `study`'s name and storage (None when there is none) and the fields
+    in which `study` differs from it, run-only fields and rounds added after its rounds aside."""
     stored_uri = study.layout.study_file
     if not storage.exists(stored_uri):
-        return
+        return None
     from service.study import spec
 
     try:
@@ -394,9 +393,19 @@ def check_same_study(study: Study) -> None:
     check_stored_study(study)
     old, new = spec.to_dict(stored), spec.to_dict(study)
     kept = new["rounds"][: len(old["rounds"])]
-    changed = [p for p in changed_fields(old, {**new, "rounds": kept}) if not _run_only(p)]
+    return stored, [p for p in changed_fields(old, {**new, "rounds": kept}) if not _run_only(p)]
+
+
+def check_same_study(study: Study) -> None:
+    """A rerun resumes the stored study; a *different* study under the same name and storage
+    would silently mix with it, so it is refused. Only `RUN_ONLY_FIELDS` may change, and new
+    rounds may be added after the stored ones (the rerun runs them: the study grows)."""
+    found = changed_from_stored(study)
+    if found is None:
+        return
+    stored, changed = found
     if changed:
-        rounds = ", ".join(r["name"] for r in old["rounds"])
+        rounds = ", ".join(r.name for r in stored.rounds)
         raise SpecError(
             f"name: study {study.name!r} already exists at {study.study_uri} with a "
             f"different {', '.join(changed)}; rerun it unchanged to resume, add rounds after "
