@@ -3,6 +3,7 @@ line and runs one command, turning a PlaybookError into one line and its exit co
 
 parser.py  the argument parser: every command, its options and its function
 run.py     running a study: run, validate, demo
+live_table.py  what run shows while the study runs: its lines, a live table on a terminal
 next_round.py  next: the round the last round's verdicts call for (and --append)
 results.py what a study left: status, report, studies, eval (and the trial table they print)
 probes.py  sweeps that pick a setting: find-steps, find-batch-size

@@ -60,7 +60,10 @@ def cmd_run(args) -> int:
     for line in record_in_study(study):
         print(line)
     print(provenance.summary(record))
-    rows = run_study(study)  # its lines as it goes; each round's verdicts when the round ends
+    from service.cli.live_table import view_for
+
+    # its lines as it goes (a live table below them on a terminal); each round's verdicts once
+    rows = run_study(study, view_for(study.training.metric))
     print_table(rows, study.training.metric, study.training.mode)
     failed = [r["trial_name"] for r in rows if r.get("status") == TrialStatus.FAILED]
     if failed:

@@ -28,7 +28,7 @@ from service.study.layout import StudyLayout
 from service.study.search import Round
 from service.study.spec import Study
 from service.tracking import observe
-from service.tracking.console import ConsoleLines
+from service.tracking.console import ConsoleLines, PlainLines
 from service.tracking.progress import ProgressLimiter
 from service.tracking.trial_events import TrialEvents
 from service.tracking.trial_table import TrialTable, read_rows
@@ -76,7 +76,7 @@ class Coordinator:
         self.table.load_existing()
         self.observers.limiter = ProgressLimiter(study.tracking.progress_interval_s)
         self.console = ConsoleLines()  # what the study says to its user (`console_lines`)
-        self.events = TrialEvents(self.table, self.observers, study.training.metric, self.console.say)
+        self.events = TrialEvents(self.table, self.observers, study.training.metric, self.console)
         self.observers.metrics.start_republishing()
         self.state = "starting"
         self.current_round: str | None = None
@@ -244,10 +244,11 @@ class Coordinator:
             )
         getattr(self.events, kind)(trial, *args)
 
-    def console_lines(self, since: int) -> tuple[int, list[str]]:
-        """The study's lines for its user from number `since` on, and the next number
-        (`ConsoleLines.since`): `run_study` prints them in the command that started the study."""
-        return self.console.since(since)
+    def console_lines(self, since: int) -> tuple[int, list[str], dict[str, dict]]:
+        """The study's lines for its user from number `since` on, the next number
+        (`ConsoleLines.since`) and the running trials' progress: `run_study` shows them in the
+        command that started the study."""
+        return (*self.console.since(since), self.console.running())
 
     def _concurrency(self, rnd: Round) -> int:
         return rnd.max_concurrent_trials or trials_that_fit(self.study, ray.cluster_resources())
@@ -285,9 +286,10 @@ def tune_runner():
     return TuneRun.options(scheduling_strategy=on_this_node()).remote()
 
 
-def run_study(study: Study, say=None) -> list[dict]:
-    """Start the study's coordinator on the connected Ray cluster and wait for it, passing what
-    it says to its user to `say` (default: print) as it goes."""
+def run_study(study: Study, view=None) -> list[dict]:
+    """Start the study's coordinator on the connected Ray cluster and wait for it, showing what
+    it says to its user on `view` as it goes (`cli.live_table`: `say(line)`, `running(trials)`;
+    default: the lines printed)."""
     name = actor_name(study.name)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
@@ -303,7 +305,7 @@ def run_study(study: Study, say=None) -> list[dict]:
         name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}, scheduling_strategy=on_this_node()
     ).remote(study)
     try:
-        return follow(coordinator, coordinator.run.remote(), say or (lambda line: print(line, flush=True)))
+        return follow(coordinator, coordinator.run.remote(), view or PlainLines())
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, PlaybookError):  # bad input: its one line, not Ray's traceback
             raise e.cause from None
@@ -316,18 +318,20 @@ def run_study(study: Study, say=None) -> list[dict]:
         ray.kill(coordinator)
 
 
-def follow(coordinator, done: ray.ObjectRef, say) -> list[dict]:
-    """Wait for the coordinator's `run` (`done`), passing its lines to `say` every
-    CONSOLE_POLL_S and once more at the end: the lines of a run that failed are all said too."""
+def follow(coordinator, done: ray.ObjectRef, view) -> list[dict]:
+    """Wait for the coordinator's `run` (`done`), showing its lines and running trials on
+    `view` every CONSOLE_POLL_S and once more at the end: the lines of a run that failed are
+    all shown too."""
     number = 0
     while True:
         finished = bool(ray.wait([done], timeout=CONSOLE_POLL_S)[0])
         try:
-            number, lines = ray.get(coordinator.console_lines.remote(number))
+            number, lines, running = ray.get(coordinator.console_lines.remote(number))
         except ray.exceptions.RayActorError:  # it died: `done` says how
-            lines = []
+            lines, running = [], {}
+        view.running({} if finished else running)  # the lines below are shown under it
         for line in lines:
-            say(line)
+            view.say(line)
         if finished:
             return ray.get(done)
 

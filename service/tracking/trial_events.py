@@ -5,12 +5,11 @@ the study's Ray metrics and the MLflow mirror. Tune runs in another process
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
 from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
+from service.tracking.console import ConsoleLines
 from service.tracking.observe import StudyObservers
 from service.tracking.progress import ProgressLimiter, progress_line
 from service.tracking.trial_table import TrialTable
@@ -24,10 +23,11 @@ class TrialEvents:
         table: TrialTable,
         observers: StudyObservers | None,
         metric: str,
-        say: Callable[[str], None] | None = None,
+        console: ConsoleLines | None = None,
     ):
         self.table, self.observers, self.metric = table, observers, metric
-        self.say = say or (lambda line: print(line, flush=True))
+        self.console = console or ConsoleLines(keep=0, echo=True)  # printed, not kept
+        self.say = self.console.say
         self.mirror = observers.mirror if observers else None
         self.limiter = observers.limiter if observers else ProgressLimiter(0)
 
@@ -35,6 +35,7 @@ class TrialEvents:
         name, total = trial["trial_name"], trial["max_train_steps"]
         reached = self.table.rows.get(name, {}).get("step")
         self.table.update(name, status=TrialStatus.RUNNING)
+        self.console.progress(name, round=trial.get("round"), step=reached or 0, total=total)
         if reached:
             self.say(f"[{name}] resumed from its latest checkpoint (step {reached}/{total} reached before)")
         else:
@@ -54,6 +55,15 @@ class TrialEvents:
         if self.mirror:
             self.mirror.report(name, result)
         self.table.update(name, status=TrialStatus.RUNNING, step=step, metric=result.get(self.metric))
+        self.console.progress(
+            name,
+            round=trial.get("round"),
+            step=step,
+            total=total,
+            metric=result.get(self.metric),
+            best=result.get("best_metric"),
+            steps_per_s=result.get("steps_per_s"),
+        )
         if self.limiter.should_print(name, step, total):
             self.say(progress_line(name, result, total, self.metric))
 
@@ -93,6 +103,7 @@ class TrialEvents:
 
     def _done(self, name: str, row: dict) -> None:
         self.limiter.forget(name)  # nothing per trial stays behind in the coordinator but its row
+        self.console.done(name)
         if self.observers:
             self.observers.metrics.on_trial_done(name)
         if self.mirror:

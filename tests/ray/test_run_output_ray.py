@@ -2,15 +2,23 @@
 as in a job log, on the shared cluster): one line per event (a round planned, a trial started,
 evaluated, finished), each round's verdicts once, in order, then the trial table; none of Tune's
 configuration boxes or "Wrote the latest version" records, no "(Coordinator pid=N)" prefix, no
-ANSI escape. A rerun of the finished study says each round's verdicts once more, once. With
-`--verbose`, Tune's own output is back."""
+ANSI escape, no live table. A rerun of the finished study says each round's verdicts once more,
+once. With `--verbose`, Tune's own output is back. On a pseudo-terminal, the live table of the
+running trials is drawn below the same lines and gone at the end."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
+import select
+import struct
 import subprocess
 import sys
+import termios
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -23,17 +31,23 @@ from tests.helpers.studies import study_dict
 
 pytestmark = pytest.mark.ray
 TUNE_BOX = ("╭", "│", "╰")
+TABLE_HEADER = re.compile(r"^trial\s+round\s+step\s+validation/loss\s+best\s+ETA$")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def run_env(ray_cluster) -> dict:
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    for name in ("RAY_COLOR_PREFIX", "COLUMNS", "LINES"):
+        env.pop(name, None)
+    return {**env, "PYTHONPATH": SERVICE_ROOT}
 
 
 def playbook_run(ray_cluster, study_file, *flags) -> subprocess.CompletedProcess:
     """`playbook run` on the shared cluster, stdout and stderr in pipes (not a terminal)."""
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    env.pop("RAY_COLOR_PREFIX", None)
-    env["PYTHONPATH"] = SERVICE_ROOT
     return subprocess.run(
         [sys.executable, "-m", "service", "run", str(study_file), *flags],
         cwd=os.path.dirname(study_file),
-        env=env,
+        env=run_env(ray_cluster),
         capture_output=True,
         text=True,
         timeout=600,
@@ -95,6 +109,7 @@ def test_run_prints_one_line_per_event_and_each_round_verdicts_once(ray_cluster,
     explore_planned = lines.index("round explore: 2 trials, at most 2 at once")
     exploit_planned = lines.index("round exploit: 1 trials, at most 2 at once")
     assert explore_planned < at_explore < exploit_planned < at_exploit
+    assert not [x for x in lines if TABLE_HEADER.match(x)]  # no live table in a pipe
     table = next(i for i, x in enumerate(lines) if x.startswith("trial_name "))
     assert table > at_exploit + len(exploit) - 1  # the command's own lines come after the study's
 
@@ -116,3 +131,62 @@ def test_verbose_brings_tunes_own_output_back(ray_cluster, digits_dir, tmp_path)
     assert "Configuration for experiment" in both and "╭" in both
     assert "Wrote the latest version of all result files" in both
     assert "[explore-0000] finished: best validation/loss=" in run.stdout  # the study's lines too
+
+
+def run_on_a_terminal(ray_cluster, study_file, timeout_s: float = 600) -> tuple[int, str]:
+    """`playbook run` with stdin, stdout and stderr on a pseudo-terminal 120 columns wide: its
+    exit code and all it wrote (the terminal's CR LF as LF)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "run", str(study_file)],
+        cwd=os.path.dirname(study_file),
+        env=run_env(ray_cluster),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+    )
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:  # EIO: every writer of the terminal has closed it
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+        return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def test_on_a_terminal_a_live_table_of_the_running_trials_is_drawn_below_the_lines(
+    ray_cluster, digits_dir, tmp_path
+):
+    raw = study_dict(
+        digits_dir, tmp_path / "storage", name="live", rounds=[{"name": "explore", "num_trials": 2}]
+    )
+    raw["training"].update(max_train_steps=200, eval_every_steps=50)
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump(raw))
+    code, text = run_on_a_terminal(ray_cluster, str(study_file))
+    assert code == 0, text[-3000:]
+    assert "\x1b[J" in text  # the table erased before each new line, drawn again below it
+    lines = ANSI.sub("", text).split("\n")
+    headers = [i for i, x in enumerate(lines) if TABLE_HEADER.match(x)]
+    assert headers, text[-3000:]
+    rows = [x for x in lines if re.match(r"^explore-000[01]\s+explore\s+\d+/200\s", x)]
+    assert rows, text[-3000:]
+    final = next(i for i, x in enumerate(lines) if x.startswith("trial_name "))
+    for name in ("explore-0000", "explore-0001"):  # the same event lines as in a pipe
+        assert sum(x.startswith(f"[{name}] started: 200 steps, ") for x in lines) == 1
+        assert sum(x.startswith(f"[{name}] finished: best validation/loss=") for x in lines) == 1
+    assert max(headers) < final  # drawn while the trials ran, not after the study
+    # the last drawing was erased before the study's verdicts and the command's own table
+    last_drawn = [m.start() for m in re.finditer(r"trial\s+round\s+step\s", text)][-1]
+    verdicts = text.index("round explore: The best trial is")
+    assert last_drawn < text.rindex("\x1b[J", 0, verdicts) < verdicts < text.index("trial_name ")

@@ -4,6 +4,9 @@ started the study, and the line each trial event says."""
 
 from __future__ import annotations
 
+import io
+
+from service.cli.live_table import LiveTable, table_lines
 from service.tracking.console import ConsoleLines
 from service.tracking.progress import ProgressLimiter, eta_s, format_duration, progress_line
 from service.tracking.trial_events import TrialEvents
@@ -60,22 +63,62 @@ def test_console_lines_are_fetched_in_order_and_a_slow_reader_is_told_what_it_mi
     assert console.since(4) == (6, ["line 4", "line 5"])
 
 
-def test_trial_events_say_one_line_per_event(tmp_path):
-    said = []
+def test_trial_events_say_one_line_per_event_and_keep_the_running_trials_progress(tmp_path):
+    console = ConsoleLines()
     table = TrialTable(str(tmp_path / "study"), "validation/loss", "min")
-    events = TrialEvents(table, None, "validation/loss", said.append)
-    trial = {"trial_name": "explore-0000", "max_train_steps": 100, "hparams": {"learning_rate": 0.1}}
+    events = TrialEvents(table, None, "validation/loss", console)
+    trial = {"trial_name": "explore-0000", "round": "explore", "max_train_steps": 100}
+    trial["hparams"] = {"learning_rate": 0.1}
     table.update("explore-0000", round="explore", status="PENDING", max_train_steps=100)
     events.started(trial)
-    events.result(trial, {"step": 40, "validation/loss": 0.5, "best_metric": 0.5, "best_step": 40})
+    assert console.running() == {"explore-0000": {"round": "explore", "step": 0, "total": 100}}
+    report = {"step": 40, "validation/loss": 0.5, "best_metric": 0.25, "best_step": 20, "steps_per_s": 3.0}
+    events.result(trial, report)
+    assert console.running()["explore-0000"] == {
+        "round": "explore",
+        "step": 40,
+        "total": 100,
+        "metric": 0.5,
+        "best": 0.25,
+        "steps_per_s": 3.0,
+    }
     events.started(trial)  # Tune started it again after its process died: it resumes
-    summary = {"summary": True, "status": "diverged", "last_step": 60, "validation/loss": 0.5}
-    events.result(trial, {**summary, "best_step": 40, "diverged_at_step": 60})
+    assert console.running()["explore-0000"]["step"] == 40
+    summary = {"summary": True, "status": "diverged", "last_step": 60, "validation/loss": 0.25}
+    events.result(trial, {**summary, "best_step": 20, "diverged_at_step": 60})
+    assert console.running() == {}  # over: no longer running
+    said = console.since(0)[1]
     assert said[0] == "[explore-0000] started: 100 steps, learning_rate=0.1"
     assert said[1].startswith("[explore-0000] step 40/100 (40%) ")
     assert said[2:] == [
         "[explore-0000] resumed from its latest checkpoint (step 40/100 reached before)",
-        "[explore-0000] diverged at step 60: best validation/loss=0.5 at step 40",
+        "[explore-0000] diverged at step 60: best validation/loss=0.25 at step 20",
     ]
     events.error({"trial_name": "explore-0001", "max_train_steps": 100}, "ValueError: bad (all of it: x)")
-    assert said[-1] == "[explore-0001] FAILED: ValueError: bad (all of it: x)"
+    assert console.since(4)[1] == ["[explore-0001] FAILED: ValueError: bad (all of it: x)"]
+
+
+def test_the_live_table_of_running_trials():
+    trials = {
+        "explore-0001": {"round": "explore", "step": 40, "total": 100, "metric": 0.5, "best": 0.25},
+        "explore-0000": {"round": "explore", "step": 0, "total": 100},
+    }
+    trials["explore-0001"]["steps_per_s"] = 3.0  # 60 steps left: 20 s
+    assert table_lines(trials, "validation/loss") == [
+        "trial         round    step    validation/loss  best  ETA",
+        "explore-0000  explore  0/100   -                -     ?",
+        "explore-0001  explore  40/100  0.5              0.25  20s",
+    ]
+    assert table_lines({}, "validation/loss") == []
+
+
+def test_the_live_table_is_erased_before_each_line_and_drawn_again_below_it():
+    out = io.StringIO()
+    view = LiveTable("loss", out)
+    view.say("round r: 1 trials")  # nothing running: no table
+    view.running({"r-0000": {"round": "r", "step": 0, "total": 10}})  # header + 1 row
+    view.say("[r-0000] started")
+    view.running({})  # over: the table goes
+    table = "trial   round  step  loss  best  ETA\nr-0000  r      0/10  -     -     ?\n"
+    erase = "\x1b[2F\x1b[J"  # 2 lines up, erased to the end of the screen
+    assert out.getvalue() == "round r: 1 trials\n" + table + erase + "[r-0000] started\n" + table + erase
