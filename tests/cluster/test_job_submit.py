@@ -89,6 +89,12 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
     assert "best trial: explore-000" in logs
     for noise in ("Traceback", "Exception ignored", "FutureWarning"):  # nothing a user reads as failure
         assert noise not in logs, logs[-4000:]
+    # The job's own log (after `ray job logs`' coloured header) is the study's lines, plain: none
+    # of Tune's chatter, no colour, no Ray prefix on them.
+    job_log = logs.split("Running entrypoint for job", 1)[1]
+    for noise in ("╭", "Wrote the latest version", "\x1b[", "(Coordinator pid="):
+        assert noise not in job_log, job_log[-4000:]
+    assert "[explore-0000] started: " in job_log and "[explore-0001] finished: best " in job_log
 
     rows = pq.read_table(str(storage / "submitted" / "trials.parquet")).to_pylist()
     assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001"]
