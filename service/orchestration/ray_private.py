@@ -60,10 +60,20 @@ def remove_placement_groups_of(actor) -> int:
     are dead, so the trials' groups of a TuneRun that died would hold their CPUs for the rest
     of the job (and starve the run started in its place)."""
     actor_id = actor._actor_id.binary()
+    return _remove_placement_groups(lambda pg: pg.creator_actor_id == actor_id)
+
+
+def remove_orphaned_placement_groups() -> int:
+    """Remove every placement group whose creator actor is dead (what a killed coordinator's
+    TuneRun leaves to a driver that lives on, a test session's)."""
+    return _remove_placement_groups(lambda pg: pg.creator_actor_dead and not pg.is_detached)
+
+
+def _remove_placement_groups(chosen) -> int:
     removed = 0
     for raw in state._connect_and_get_accessor().get_placement_group_table():
         pg = PlacementGroupTableData.FromString(raw)
-        if pg.creator_actor_id == actor_id and pg.state != PlacementGroupTableData.REMOVED:
+        if chosen(pg) and pg.state != PlacementGroupTableData.REMOVED:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
             removed += 1
     return removed

@@ -25,7 +25,7 @@ from service.planning.trial import TrialPlan
 from service.study import spec
 from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.processes import end_session, kill_session
-from tests.helpers.studies import same_nested, study_dict
+from tests.helpers.studies import free_cpus_after_study, same_nested, study_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 STEPS, EVERY = 3000, 500  # long enough (seconds, on the fast path) to kill the last trial mid-run
@@ -258,17 +258,6 @@ def tune_run_killed(baseline, digits_dir, tmp_path_factory):
     thread.join(timeout=600)
     assert at_kill is not None, "the Tune run was never killed mid-study"
     return study, at_kill, out.get("rows"), free_cpus_after_study()
-
-
-def free_cpus_after_study() -> float:
-    """The session cluster's free CPUs once the study is over (Ray frees resources a moment
-    after a placement group is removed): all of them, unless a group was left behind."""
-    import ray
-
-    deadline = time.time() + 30
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.time() < deadline:
-        time.sleep(0.5)
-    return ray.available_resources().get("CPU", 0)
 
 
 def test_a_killed_tune_run_is_started_again_and_ends_as_the_uninterrupted_run(tune_run_killed, baseline):

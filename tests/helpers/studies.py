@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pyarrow.parquet as pq
 
@@ -125,3 +126,14 @@ def folder_state(root) -> dict[str, tuple]:
                     data = f.read()
             out[os.path.relpath(path, root)] = (data, os.stat(path).st_mtime_ns)
     return out
+
+
+def free_cpus_after_study() -> float:
+    """The session cluster's free CPUs once the study is over (Ray frees resources a moment
+    after a placement group is removed): all of them, unless a group was left behind."""
+    import ray
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.time() < deadline:
+        time.sleep(0.5)
+    return ray.available_resources().get("CPU", 0)

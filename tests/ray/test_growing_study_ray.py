@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.study import spec
-from tests.helpers.studies import folder_state, study_dict
+from tests.helpers.studies import folder_state, free_cpus_after_study, study_dict
 
 pytestmark = pytest.mark.ray
 PLAYBOOK = os.path.join(os.path.dirname(sys.executable), "playbook")
@@ -187,6 +187,7 @@ def test_a_study_interrupted_in_an_appended_round_finishes_it_on_a_rerun(ray_clu
     """The coordinator is killed (as when its driver dies) once the appended round's first trial
     is over and its second has a checkpoint; the rerun trains only what is left."""
     from service.orchestration.coordinator import actor_name, run_study
+    from service.orchestration.ray_private import remove_orphaned_placement_groups
 
     first = [{"name": "explore", "num_trials": 1}]
     run_study(interrupted_study(digits_dir, tmp_path, first))
@@ -212,6 +213,9 @@ def test_a_study_interrupted_in_an_appended_round_finishes_it_on_a_rerun(ray_clu
     thread.join(120)
     assert at_kill is not None, "the appended round was never caught with one trial done and one running"
     _wait_gone(ray_cluster, actor_name(study.name))
+    # Its TuneRun's trial groups last as long as this session's driver: a playbook run would
+    # have exited, and its job with it. Left, they would hold a CPU for every later test.
+    remove_orphaned_placement_groups()
     assert _stored_rows(uri)["more-0001"]["status"] != "FINISHED"
 
     after = {r["trial_name"]: r for r in run_study(study)}
@@ -222,6 +226,7 @@ def test_a_study_interrupted_in_an_appended_round_finishes_it_on_a_rerun(ray_clu
     with open(os.path.join(uri, "trials", "more-0001", "topology.json")) as f:
         resumed = json.load(f)["ranks"][0]["resumed_from_step"]
     assert max(at_kill["committed"]) <= resumed < 600
+    assert free_cpus_after_study() == ray_cluster.cluster_resources()["CPU"]  # nothing left holding one
 
 
 def _swallow(fn, *args) -> None:
