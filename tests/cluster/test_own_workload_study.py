@@ -68,7 +68,10 @@ def test_a_study_on_a_workload_of_ones_own_from_validate_to_eval(head, tmp_path)
 def run_the_study(user, env) -> None:
     subprocess.run([sys.executable, "tabular/write_data.py", "data"], cwd=user, check=True, timeout=120)
     out = playbook(user, env, "validate", "--data", "tabular/study.yaml")
-    assert out.stdout.startswith("ok: study tabular-example: 2 round(s), 4 trials, 2 worker(s) per trial")
+    # 2 explore trials of 40 steps, then 2 exploit trials twice as long: 80 + 160 steps.
+    assert out.stdout.startswith(
+        "ok: study tabular-example: 2 round(s), 4 trials, 240 training steps, 2 worker(s) per trial"
+    )
 
     with EnvironWatcher("TrainController") as controllers:
         run = playbook(user, env, "run", "tabular/study.yaml", timeout=1200)
