@@ -70,7 +70,7 @@ def check_ran(study: Study, path: str) -> None:
     import json
 
     from service.core import storage
-    from service.study.checks import changed_from_stored
+    from service.study.stored import changed_from_stored
 
     layout = study.layout
     found = changed_from_stored(study)

@@ -14,7 +14,8 @@ from service.study import spec
 
 def load_study(path: str, storage_override: str | None = None) -> spec.Study:
     from service import workloads
-    from service.study.checks import check_workload, link_rounds, resolve_paths
+    from service.study.checks import check_workload, resolve_paths
+    from service.study.stored import link_rounds
 
     workloads.use_import_path(workloads.import_path(path))  # a workload module of one's own
     study = link_rounds(resolve_paths(spec.load_file(path), storage_override))

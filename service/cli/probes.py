@@ -15,7 +15,8 @@ def cmd_find_steps(args) -> int:
     from service.core import storage
     from service.orchestration.coordinator import run_study
     from service.planning import find_steps
-    from service.study.checks import check_data, check_same_study, check_storage
+    from service.study.checks import check_data, check_storage
+    from service.study.stored import check_same_study
 
     study = load_study(args.study_file, args.storage)
     if study.find_steps is None:

@@ -197,7 +197,7 @@ def print_chain(study_uri: str) -> None:
     """The stored study's rounds as a chain: what each changed from the one before, and why."""
     from service.core import storage
     from service.study.chain import chain
-    from service.study.checks import load_stored
+    from service.study.stored import load_stored
 
     if storage.exists(StudyLayout(study_uri).study_file):
         print("rounds:")

@@ -38,7 +38,8 @@ def cmd_run(args) -> int:
     from service import workloads
     from service.orchestration.coordinator import run_study
     from service.planning.plan_size import check_budget
-    from service.study.checks import check_data, check_same_study, check_storage
+    from service.study.checks import check_data, check_storage
+    from service.study.stored import check_same_study
     from service.tracking import provenance
 
     study = load_study(args.study_file, args.storage)

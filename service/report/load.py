@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from service.core import storage
 from service.core.errors import StudyNotFound
 from service.study import spec
-from service.study.checks import load_stored
 from service.study.layout import StudyLayout
 from service.study.spec import Study
+from service.study.stored import load_stored
 from service.tracking import provenance, trial_table
 from service.trainer import metrics_log
 

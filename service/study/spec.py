@@ -60,7 +60,7 @@ class Study:
     linked: tuple[Round, ...] = field(default=(), metadata={"in_file": False})
     """Not in a study file: the rounds of other studies that a `from_round: other-study/round`
     names, each as a Round named `other-study/round` with its max_train_steps as that study
-    ran it (`service.study.checks.link_rounds` reads them from the storage root)."""
+    ran it (`service.study.stored.link_rounds` reads them from the storage root)."""
 
     def errors(self):
         yield from study_errors(self)
@@ -82,7 +82,7 @@ class Study:
         i = self.rounds.index(rnd)
         name = rnd.from_round or self.rounds[i - 1].name
         found = next((r for r in (*self.rounds, *self.linked) if r.name == name), None)
-        if found is None:  # only a study whose rounds were not linked (checks.link_rounds)
+        if found is None:  # only a study whose rounds were not linked (stored.link_rounds)
             raise SpecError(f"rounds[{i}].from_round: round {name!r} of another study is not linked")
         return found
 

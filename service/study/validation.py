@@ -144,7 +144,7 @@ def _schedule_length_errors(study: Study):
     """Every round leaves room for the longest warmup (and, linear, warmup + decay) any of
     its trials can get; an extend round of a linear schedule is at least as long as the
     trial it extends (the decay phase keeps its length). A round built on another study's
-    is checked once that round is linked (`checks.link_rounds`)."""
+    is checked once that round is linked (`stored.link_rounds`)."""
     linear = study.training.schedule.kind == "linear"
     for i, r in enumerate(study.rounds):
         if study.unlinked(r):

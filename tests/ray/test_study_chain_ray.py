@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.study import spec
-from service.study.checks import link_rounds
+from service.study.stored import link_rounds
 from tests.helpers.studies import folder_state, study_dict
 
 pytestmark = pytest.mark.ray

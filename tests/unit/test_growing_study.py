@@ -18,7 +18,8 @@ from service.core import storage
 from service.core.errors import SpecError, StudyStopped
 from service.planning.rounds import as_source_rows, plan_round
 from service.study import spec
-from service.study.checks import check_same_study, check_workload, link_rounds, load_stored
+from service.study.checks import check_workload
+from service.study.stored import check_same_study, link_rounds, load_stored
 from tests.helpers.studies import study_dict
 
 WIDE = {"role": "nuisance", "type": "float", "min": 0.01, "max": 1.0, "scale": "log"}

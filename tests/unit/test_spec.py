@@ -689,7 +689,7 @@ def test_repeated_key_is_rejected_with_its_line():
 
 def test_a_changed_study_under_an_existing_name_is_refused(tmp_path):
     from service.core import storage
-    from service.study.checks import check_same_study
+    from service.study.stored import check_same_study
 
     study = dataclasses.replace(spec.load_file(DEMO), storage=str(tmp_path))
     check_same_study(study)  # nothing stored yet
@@ -703,7 +703,7 @@ def test_a_changed_study_under_an_existing_name_is_refused(tmp_path):
 
 def test_a_rerun_may_change_how_trials_run_but_not_what_they_compute(tmp_path):
     from service.core import storage
-    from service.study.checks import check_same_study
+    from service.study.stored import check_same_study
 
     study = dataclasses.replace(spec.load_file(DEMO), storage=str(tmp_path))
     storage.write_bytes_atomic(storage.join(study.study_uri, "study.yaml"), spec.dump_yaml(study).encode())
