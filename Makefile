@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-fast test-cluster lint clean chromium bench bench-cluster bench-scale real-hosts
+.PHONY: setup demo test test-fast test-cluster lint clean chromium prometheus bench bench-cluster bench-scale real-hosts chaos
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,12 +30,16 @@ test: setup
 test-fast: setup chromium
 	$(PYTEST) -q -m "not cluster" --timeout 900 --durations=25
 
-test-cluster: setup
+test-cluster: setup prometheus
 	$(PYTEST) -q -m cluster --timeout 900 --durations=0
 
 # Headless Chromium for the report test: Debian's package, installed only when missing (CI runs as root).
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+
+# Debian's Prometheus for the dashboard test (deploy/grafana), installed only when missing.
+prometheus:
+	@test -x /usr/bin/prometheus || (apt-get update && apt-get install -y --no-install-recommends prometheus)
 
 # Benchmarks against hand-written baselines, as ratios measured in the same run:
 # bench/results.json and the generated performance table in docs/performance.md.
@@ -56,6 +60,12 @@ bench-cluster: setup
 # and iproute2): a 2-trial study submitted with `ray job submit`, then all torn down.
 real-hosts: setup
 	$(PY) -m tests.helpers.real_hosts_demo
+
+# A small study run RUNS times, one process drawn at random SIGKILLed at a random moment in
+# each; every rerun must end bitwise equal to the uninterrupted reference (docs/reliability.md).
+RUNS ?= 20
+chaos: setup
+	$(PY) -m tests.helpers.chaos --runs $(RUNS)
 
 lint: setup
 	$(VENV)/bin/ruff check service tests
