@@ -94,14 +94,19 @@ def wait_for_dashboard(address: str, proc: subprocess.Popen, log_path, timeout_s
             time.sleep(0.2)
 
 
+def new_temp_dir() -> str:
+    """A Ray temp dir of its own, short: Ray's socket paths have a length limit."""
+    return f"/tmp/rh-{secrets.token_hex(3)}"
+
+
 @contextlib.contextmanager
-def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None):
-    """A token-auth Ray head in its own session, its processes started with `extra_env`; yields
-    (dashboard address, GCS address, the env of a client holding the token). All of its
-    processes are killed afterwards."""
+def start_ray_head(tmp_path, extra_env: dict[str, str] | None = None, temp_dir: str | None = None):
+    """A token-auth Ray head in its own session, its processes started with `extra_env` and its
+    files in `temp_dir` (default: a new short one); yields (dashboard address, GCS address, the
+    env of a client holding the token). All of its processes are killed afterwards."""
     ports = free_ports(HEAD_PORTS)
     env = token_env(secrets.token_hex(16), extra_env)
-    temp_dir = f"/tmp/rh-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
+    temp_dir = temp_dir or new_temp_dir()
     log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen(
         head_command(temp_dir, ports), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
