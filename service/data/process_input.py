@@ -23,6 +23,7 @@ import multiprocessing
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
@@ -32,6 +33,12 @@ from service.data.loader import Batch, TrainStream, WindowReader, WindowTask, re
 
 _worker: tuple[TrainStream, WindowReader] | None = None
 """In a worker process: the rank's stream and the worker's reader."""
+
+
+class InputWorkerDied(RuntimeError):
+    """An input worker process ended while it loaded a window (killed from outside, out of
+    memory). Not the data's fault, so not a DataError: the trial is retried from its latest
+    checkpoint, as after the loss of any of its processes."""
 
 
 def process_source(num_workers: int) -> Callable[[TrainStream, int], Iterator[Batch]]:
@@ -58,6 +65,8 @@ def _windows(stream: TrainStream, plan: Iterator[WindowTask], num_workers: int) 
                 arrays = future.result()
             except DataError:
                 raise
+            except BrokenProcessPool as e:
+                raise InputWorkerDied(f"an input worker process died while it loaded a window ({e})") from e
             except Exception as e:  # noqa: BLE001 - named with the window's files, cause kept
                 files = ", ".join(sorted({p.uri for p in task.pieces}))
                 error = f"{type(e).__name__}: {e}"

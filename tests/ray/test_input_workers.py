@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +18,7 @@ from service.analysis.input_bound import InputTotals, likely_cause
 from service.core.errors import DataError
 from service.data.files import list_files
 from service.data.loader import TrainStream
-from service.data.process_input import process_source
+from service.data.process_input import InputWorkerDied, process_source
 from service.data.sharding import RowRange
 from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
@@ -33,6 +35,16 @@ class BrokenDigits(Digits):
     def to_batch(self, table):
         if 13 in table.column("example_id").to_pylist():
             raise RuntimeError("cannot augment example 13")
+        return super().to_batch(table)
+
+
+class KilledDigits(Digits):
+    """Digits whose input worker process is SIGKILLed as it reaches example 13 (from outside,
+    as by the kernel's OOM killer)."""
+
+    def to_batch(self, table):
+        if 13 in table.column("example_id").to_pylist():
+            os.kill(os.getpid(), signal.SIGKILL)
         return super().to_batch(table)
 
 
@@ -83,6 +95,17 @@ def test_a_worker_error_names_the_file(tmp_path):
     stream = TrainStream(Digits(), ranges, batch_size=4, data_seed=0)
     with pytest.raises(DataError, match=r"part-1\.parquet: column 'pixels': cannot read row group"):
         list(itertools.islice(process_source(num_workers=2)(stream, 0), 100))
+
+
+def test_a_killed_worker_is_a_lost_process_not_a_data_error(tmp_path):
+    """A data error ends the trial at once (the same data fails the same way); a worker process
+    that dies is retried from the trial's checkpoint, as any lost process (found by a chaos run:
+    the trial ended FAILED)."""
+    ranges = write_files(tmp_path, [20, 20], row_group_size=5)
+    stream = TrainStream(KilledDigits(), ranges, batch_size=4, data_seed=0, shuffle_window_row_groups=1)
+    with pytest.raises(InputWorkerDied, match="an input worker process died while it loaded a window") as e:
+        list(itertools.islice(process_source(num_workers=2)(stream, 0), 100))
+    assert not isinstance(e.value, DataError)
 
 
 def test_with_worker_processes_the_input_bound_remedy_is_more_workers():
