@@ -35,6 +35,9 @@ def ray_cluster():
         num_cpus=2,
         namespace=NAMESPACE,
         include_dashboard=False,
+        # Not forwarded to pytest's stderr: an earlier test's actor could print into a later
+        # test's captured output. A command's own output is what its tests compare.
+        log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
     )
     yield ray

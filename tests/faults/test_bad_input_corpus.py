@@ -5,7 +5,6 @@ and nothing written. Spec value errors live in test_spec.py."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import yaml
 from service import cli
 from tests.helpers.bad_input_cases import CASES, Case
 from tests.helpers.flaky_storage import FlakyMemoryFS
+from tests.helpers.processes import own_lines
 from tests.helpers.studies import study_dict
 
 VALID_CONTROLS = {"valid-control"}
@@ -43,15 +43,6 @@ def prepare(name, fn, tmp_path, digits_dir) -> tuple[Case, list[str], str | None
     return c, argv, expected and expected.format(study=c.study_file)
 
 
-# Ray forwards its processes' log lines to this process's stderr, each prefixed "(Name pid=N)".
-RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\([\w.:-]+ pid=\d+")
-
-
-def error_lines(err: str) -> list[str]:
-    """Every stderr line but Ray's forwarded ones: a traceback or a stray warning counts."""
-    return [line for line in err.splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
-
-
 @pytest.mark.parametrize("name,fn", BAD, ids=[n for n, _ in BAD])
 def test_bad_input_is_refused_cleanly(name, fn, tmp_path, digits_dir, capsys, request):
     c, argv, expected = prepare(name, fn, tmp_path, digits_dir)
@@ -66,7 +57,7 @@ def test_bad_input_is_refused_cleanly(name, fn, tmp_path, digits_dir, capsys, re
     out, err = capsys.readouterr()
     assert rc == 2, err
     assert out == ""
-    lines = error_lines(err)
+    lines = own_lines(err)  # a traceback or a stray warning counts
     assert len(lines) == 1, err
     assert lines[0].startswith(f"playbook: error: {expected}"), lines[0]
     assert len(lines[0]) > len(f"playbook: error: {expected}: ") + 5  # says what is wrong

@@ -18,6 +18,7 @@ from service.core.errors import DataError
 from service.data.files import list_files
 from service.data.loader import WindowReader, pieces_of
 from service.data.sharding import RowRange
+from tests.helpers.processes import own_lines
 from tests.helpers.studies import make_study, study_dict
 from tests.helpers.text_workload import as_text
 
@@ -25,8 +26,6 @@ BAD_ROW = 150  # in the second row group of every training file (row groups of 1
 # What the trial with a bad value did before: 3 worker-group attempts in each of 3 Tune
 # attempts, ~300 s; one attempt of a 2-worker trial takes well under a minute here.
 FAIL_FAST_S = 150
-
-RAY_FORWARDED = re.compile(r"(\x1b\[\d+m)?\(\w+ pid=\d+")  # Ray's prefix of a forwarded log line
 
 
 def copy_splits(digits_dir, root, change_train, change_other=lambda t: t) -> dict[str, str]:
@@ -183,9 +182,7 @@ def test_a_relative_data_path_from_another_folder_names_the_field_and_the_resolv
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert cli.main(["validate", "--data", "project/study.yaml"]) == 2
-    # What Ray forwards to this test session's driver from an earlier test's actors may land in
-    # the same capture ("(TuneRun pid=N) ..." lines): only the command's own lines count.
-    err = [line for line in capsys.readouterr().err.splitlines() if not RAY_FORWARDED.match(line)]
+    err = own_lines(capsys.readouterr().err)
     assert err == [f"playbook: error: data.train: {tmp_path}/data/train: no such file or directory"]
     monkeypatch.chdir(study_dir)
     assert cli.main(["validate", "--data", "study.yaml"]) == 0, capsys.readouterr().err

@@ -17,12 +17,11 @@ import pytest
 import yaml
 
 from tests.helpers.playbook_process import output, start_run, titles, wait_for_title, watchers_of
-from tests.helpers.processes import end_session, kill_session, session_pids
+from tests.helpers.processes import end_session, kill_session, own_lines, session_pids
 from tests.helpers.studies import study_dict
 
 pytestmark = [pytest.mark.timeout(600)]
 GONE_WITHIN_S = 20
-RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\([\w.:-]+ pid=\d+")  # "(Name pid=N) ...": a Ray process's line
 RAY_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING) ")  # ray.init's own log records
 
 
@@ -39,14 +38,10 @@ def write_study(digits_dir, folder, steps: int) -> str:
     return str(path)
 
 
-def own_lines(err: str) -> list[str]:
+def command_lines(err: str) -> list[str]:
     """The command's own stderr lines: not those Ray forwards from its processes, nor the
     INFO and WARNING records of starting an embedded Ray."""
-    return [
-        line
-        for line in err.splitlines()
-        if line.strip() and not RAY_FORWARDED.match(line) and not RAY_LOG.match(line)
-    ]
+    return [line for line in own_lines(err) if not RAY_LOG.match(line)]
 
 
 def test_a_killed_coordinator_ends_the_run_in_one_line_and_a_rerun_finishes(digits_dir, tmp_path):
@@ -62,7 +57,7 @@ def test_a_killed_coordinator_ends_the_run_in_one_line_and_a_rerun_finishes(digi
         end_session(proc)
     out, err = output(tmp_path)
     assert "Traceback" not in out + err
-    (line,) = own_lines(err)
+    (line,) = command_lines(err)
     assert line.startswith(
         f"playbook: error: the study's coordinator (Ray actor study-embedded, pid {coordinator}) died"
     )

@@ -1,12 +1,22 @@
-"""Processes the tests start: free loopback ports, and the processes of a `setsid` session."""
+"""Processes the tests start: free loopback ports, the processes of a `setsid` session, and the
+lines of a command's output that are its own (not forwarded by Ray from its processes)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
 import time
+
+RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\([\w.:-]+ pid=\d+")
+"""Ray's prefix of a line it forwards from one of its processes: "(TuneRun pid=N) ..."."""
+
+
+def own_lines(text: str) -> list[str]:
+    """The non-blank lines of `text` that are not Ray's forwarded ones."""
+    return [line for line in text.splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
 
 
 def free_ports(n: int) -> list[int]:
