@@ -79,9 +79,10 @@ def join(uri: str, *parts: str) -> str:
 AUDIT_ENV = "PLAYBOOK_STORAGE_AUDIT"
 
 
-def _audit(uri: str) -> None:
+def audit(uri: str) -> None:
     """With PLAYBOOK_STORAGE_AUDIT=DIR, every process appends the URIs it writes to
-    DIR/<pid>.log: a cheap way to check which process wrote what (e.g. rank 0 only)."""
+    DIR/<pid>.log: a cheap way to check which process wrote what (e.g. rank 0 only). The
+    attempt fence adds the writes it refused, as `refused <uri>`."""
     folder = os.environ.get(AUDIT_ENV)
     if folder:
         with open(os.path.join(folder, f"{os.getpid()}.log"), "a") as f:
@@ -134,7 +135,7 @@ def with_retries(fn: Callable[[], T], attempts: int = 5, first_delay_s: float = 
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write a whole file so that readers see the old or the new content, never a torn one.
     Transient storage errors are retried (`with_retries`); the whole write is redone each time."""
-    _audit(uri)
+    audit(uri)
     fs, path = split(uri)
     try:
         with_retries(lambda: _write_once(fs, path, data))
@@ -159,7 +160,7 @@ def append_bytes(uri: str, data: bytes, size: int) -> bool:
     fs, path = split(uri)
     try:
         if isinstance(fs, LocalFileSystem):
-            _audit(uri)
+            audit(uri)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND)
             try:
                 if os.write(fd, data) != len(data):
@@ -169,7 +170,7 @@ def append_bytes(uri: str, data: bytes, size: int) -> bool:
             return True
         if not hasattr(fs, "merge") or size < COMPOSE_MIN_BYTES:
             return False
-        _audit(uri)
+        audit(uri)
         part = f"{path}.part-{uuid.uuid4().hex[:8]}"
         with fs.open(part, "wb") as f:
             f.write(data)

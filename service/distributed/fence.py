@@ -54,6 +54,7 @@ class Attempt:
         later = "no attempt"
         if current is not None:
             later = f"attempt {current.attempt} on {current.host} (pid {current.pid})"
+        storage.audit(f"refused {storage.join(self.trial_uri, what)}")
         raise StaleAttemptError(
             f"{self.record_uri}: attempt {self.attempt} of trial {TrialLayout(self.trial_uri).name} "
             f"(this process, {self.host} pid {self.pid}) was superseded by {later}; "
@@ -92,6 +93,11 @@ def claim(trial_uri: str) -> Attempt:
 def hold(attempt: Attempt) -> None:
     """This process's writes into the attempt's trial folder are checked against it."""
     _HELD[attempt.trial_uri] = attempt
+
+
+def held(trial_uri: str) -> Attempt | None:
+    """This process's attempt at the trial, None where it holds none (tests, `playbook eval`)."""
+    return _HELD.get(trial_uri.rstrip("/"))
 
 
 def check(uri: str) -> None:

@@ -5,12 +5,14 @@ topology record) is refused with one line and leaves every file in the trial fol
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
 import pytest
 import torch
 
+from service.core import storage
 from service.distributed import fence, topology_record
 from service.distributed.checkpoint import TrialState
 from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore
@@ -47,7 +49,10 @@ def write_everything(trial: TrialLayout, log: MetricsLog, store: CheckpointStore
     store.close()  # retention's deletions have finished
 
 
-def test_a_superseded_attempt_writes_nothing_into_the_trial(tmp_path):
+def test_a_superseded_attempt_writes_nothing_into_the_trial(tmp_path, monkeypatch):
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    monkeypatch.setenv(storage.AUDIT_ENV, str(audit))
     trial = TrialLayout(str(tmp_path / "study" / "trials" / "explore-0"))
     first = fence.claim(trial.uri)
     first_log, first_store = MetricsLog(trial.metrics_log), CheckpointStore(trial.uri, 1, METRIC, "min")
@@ -61,6 +66,7 @@ def test_a_superseded_attempt_writes_nothing_into_the_trial(tmp_path):
     assert {"checkpoint_00000020/manifest.json", "metrics.jsonl", "topology.json"} <= set(before)
 
     fence.hold(first)  # this process is now the stranded first attempt
+    audited = (audit / f"{os.getpid()}.log").read_text().splitlines()
     stale_writes = {
         "metrics.jsonl": lambda: first_log.write([{"step": s, METRIC: 0.0} for s in (10, 20, 30)]),
         "checkpoint_00000020": lambda: first_store.save(state(20, -1.0), {METRIC: 0.0}),  # same step
@@ -82,6 +88,9 @@ def test_a_superseded_attempt_writes_nothing_into_the_trial(tmp_path):
     with pytest.raises(fence.StaleAttemptError, match="checkpoint_00000040 not written$"):
         background.close()
     assert files_of(pathlib.Path(trial.uri)) == before
+    # The storage audit lists each refusal and no write after them.
+    refused = [f"refused {trial.uri}/{what}" for what in [*stale_writes, "checkpoint_00000040"]]
+    assert (audit / f"{os.getpid()}.log").read_text().splitlines() == audited + refused
 
 
 def test_the_current_attempt_and_a_process_holding_none_write_as_before(tmp_path):
