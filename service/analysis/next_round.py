@@ -7,12 +7,8 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
 
 * `boundary` (the best trial near a bound of a nuisance dimension; the playbook: "check
   whether the best learning rate is at the boundary of the search space") -> that range widened
-  on its side: a log range by a factor of `WIDEN_LOG_FACTOR`, a linear one by its own width (a
-  range of non-negative values stops at 0; one inside [0, 1], a fraction, goes at most halfway
-  to 1), a choice of numbers by one value past its edge (the ratio of its last two values when
-  they are spaced by one ratio, else their difference; within the same limits); not a bound
-  past which every trial diverged (`infeasible_region`: the feasible region ends there, a note
-  says so);
+  on its side, as `widening` says; not a bound past which every trial diverged
+  (`infeasible_region`: the feasible region ends there, a note says so);
 * `enough_trials` warning -> the same kind of round again with `MORE_TRIALS_FACTOR` times the
   trials (at least `MIN_TRIALS`), new quasi-random points (its seed + 1);
 * `clipping` warning (most updates clipped), or `early_instability` in a study that does not
@@ -32,9 +28,7 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,22 +38,19 @@ import numpy as np
 from service.analysis.enough_trials import MIN_TRIALS
 from service.analysis.round_checks import round_steps_spent
 from service.analysis.seed_noise import ALPHA, welch
-from service.analysis.verdicts import Verdict, numeric_choices
+from service.analysis.verdicts import Verdict
+from service.analysis.widening import widenings
 from service.core.formatting import fmt
 from service.core.ranking import results, sign
+from service.study.rounds_text import hparam_dict, scalar
 from service.study.search import CLIP_HPARAM, DEFAULT_STEP_MULTIPLIER, NAME_RE, HParam, Round
 from service.study.spec import Study
 
-WIDEN_LOG_FACTOR = 10.0
-"""A log range at its bound widens by this factor (a decade) on that side."""
 MORE_TRIALS_FACTOR = 2
 """Too few trials: the next round runs this many times the trials of the one judged."""
 EXTEND_TRIALS = 2
 """Trials of an extend round that follows an exploration round (seed repeats of its best)."""
 EXPLORATION = ("quasi_random", "grid", "bayesian")
-_PLAIN = re.compile(r"^[a-z_][a-z0-9_-]*$")
-"""A string written without quotes (a name, a kind), unless YAML reads it as something else."""
-_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +98,7 @@ def propose(study: Study, round_name: str, rows: list[dict], verdicts: list[Verd
     if rnd.kind in EXPLORATION:
         space = study.compared_space(rnd)
         widened, unwidened = widenings(verdicts, space)
+        widened = tuple(Field(*w) for w in widened)
         search, notes = widened + clip_entries(verdicts, space), notes + unwidened
         more = more_trials(rnd, verdicts)
         if search or more:
@@ -232,93 +224,6 @@ def more_trials(rnd: Round, verdicts: list[Verdict]) -> tuple[Field, ...]:
     return (Field("num_trials", trials, f"enough_trials: {n} finished, {said}: {trials} trials"),)
 
 
-def widenings(
-    verdicts: list[Verdict], space: Mapping[str, HParam]
-) -> tuple[tuple[Field, ...], tuple[str, ...]]:
-    """The widened search entry of each dimension a `boundary` warning names, and a note for
-    each bound not widened because every trial past it diverged (`infeasible_region`: the
-    feasible region, not the search space, ends there)."""
-    unstable = {
-        (v.subject, v.facts.get("side")) for v in verdicts if v.kind == "infeasible_region" and v.is_warning
-    }
-    sides: dict[str, list[Verdict]] = {}
-    notes = []
-    for v in verdicts:
-        if v.kind != "boundary" or not v.is_warning or v.subject not in space:
-            continue
-        if (v.subject, v.facts["side"]) in unstable:
-            notes.append(
-                f"boundary: {v.subject} at its {v.facts['side']} bound, not widened: every trial past it "
-                "diverged (infeasible_region); stabilise training (warmup, clipping) first"
-            )
-        else:
-            sides.setdefault(v.subject, []).append(v)
-    out = []
-    for name, found in sides.items():
-        hp, why = space[name], []
-        for v in found:
-            hp, said = widen(hp, v.facts["side"])
-            why.append(f"boundary: {name} {fmt(v.facts['value'])} of {v.facts['trial_name']} at the "
-                       f"{v.facts['side']} bound: {said}")  # fmt: skip
-        if hp != space[name]:
-            out.append(Field(name, hp, "; ".join(why)))
-    return tuple(out), tuple(notes)
-
-
-def widen(hp: HParam, side: str) -> tuple[HParam, str]:
-    """`hp` widened on `side` (`lower` or `upper`) and what was done, in words."""
-    if hp.type == "choice":
-        values = numeric_choices(hp)
-        new = beyond(values, side)
-        if new == (values[0] if side == "lower" else values[-1]):
-            return hp, f"cannot widen past {fmt(new)}"
-        ordered = [new, *values] if side == "lower" else [*values, new]
-        return dataclasses.replace(hp, values=tuple(ordered)), f"{fmt(new)} added"
-    old = float(hp.min if side == "lower" else hp.max)
-    bound = _widened_bound(hp, side)
-    if hp.type == "int":
-        bound = math.floor(bound) if side == "lower" else math.ceil(bound)
-    else:
-        bound = float(f"{bound:.4g}")
-    if bound == old:
-        return hp, f"cannot widen past {fmt(old)}"
-    new = dataclasses.replace(hp, **{"min" if side == "lower" else "max": bound})
-    how = f"x{fmt(WIDEN_LOG_FACTOR)}" if hp.scale == "log" else "by the range's width"
-    return new, f"{fmt(old)} -> {fmt(bound)} ({how})"
-
-
-def _widened_bound(hp: HParam, side: str) -> float:
-    lo, hi = float(hp.min), float(hp.max)
-    if hp.scale == "log":
-        return lo / WIDEN_LOG_FACTOR if side == "lower" else hi * WIDEN_LOG_FACTOR
-    width = hi - lo
-    if side == "lower":
-        return max(0.0, lo - width) if lo >= 0 else lo - width
-    if lo >= 0 and hi <= 1:  # a fraction stays below 1
-        return min(hi + width, (hi + 1) / 2)
-    return hi + width
-
-
-def beyond(values: list, side: str) -> float | int:
-    """The next value past the smallest (`lower`) or largest (`upper`) of sorted numbers: their
-    last two values' ratio when every neighbouring pair has that ratio (all positive), else the
-    difference of the last two; as a range widens, non-negative values stay non-negative and
-    values inside [0, 1] go at most halfway to 1 (the edge itself when it cannot move)."""
-    edge, near = (values[0], values[1]) if side == "lower" else (values[-1], values[-2])
-    ratios = [b / a for a, b in zip(values, values[1:], strict=False)] if all(v > 0 for v in values) else []
-    if ratios and np.allclose(ratios, ratios[0]):
-        new = edge * (edge / near)
-    else:
-        new = edge + (edge - near)
-    if values[0] >= 0:
-        new = max(new, 0)
-        if values[-1] <= 1 and new > edge:  # a fraction
-            new = min(new, (edge + 1) / 2)
-    if all(isinstance(v, int) for v in values):
-        return int(round(new))
-    return float(f"{new:.4g}")
-
-
 def clip_entries(verdicts: list[Verdict], space: Mapping[str, HParam]) -> tuple[Field, ...]:
     """`grad_clip_norm` fixed at the round's suggestion when most updates of a trial were
     clipped, or training was unstable early and nothing clips."""
@@ -384,40 +289,6 @@ def input_note(v: Verdict, study: Study) -> str:
         "slow_reads": "put the data on faster disk or write fewer, larger row groups",
     }.get(v.facts.get("cause", ""), "see its verdict")
     return f"input_bound: {v.subject} waits {v.facts.get('exposed_fraction', 0):.0%} of its steps: {change}"
-
-
-# ----------------------------------------------------------------------------- YAML
-
-
-def hparam_dict(hp: HParam) -> dict:
-    """A search entry as the study file writes it."""
-    if hp.role == "fixed" and hp.best_of is not None:
-        return {"role": "fixed", "best_of": hp.best_of}
-    if hp.role == "fixed":
-        return {"role": "fixed", "value": hp.value}
-    if hp.type == "choice":
-        return {"role": hp.role, "type": "choice", "values": list(hp.values)}
-    return {"role": hp.role, "type": hp.type, "min": hp.min, "max": hp.max, "scale": hp.scale}
-
-
-def scalar(v: Any) -> str:
-    """A YAML scalar that the study loader reads back as `v`."""
-    import json
-
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(scalar(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {scalar(x)}" for k, x in v.items()) + "}"
-    text = str(v)
-    if _PLAIN.match(text) and text.lower() not in _YAML_WORDS:
-        return text
-    return json.dumps(text)
 
 
 def as_yaml(p: Proposal, indent: int = 2) -> str:

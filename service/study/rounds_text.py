@@ -5,12 +5,18 @@ checks it is the study it had plus the one round."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from service.core.errors import SpecError
+from service.study.search import HParam
 
 _ROUNDS = re.compile(r"^rounds:[ \t]*(#.*)?$")
 _TOP_LEVEL = re.compile(r"^[^\s#-]")
+_PLAIN = re.compile(r"^[a-z_][a-z0-9_-]*$")
+"""A string written without quotes (a name, a kind), unless YAML reads it as something else."""
+_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}
 
 
 def rounds_block(text: str, source: str) -> tuple[int, int, int]:
@@ -46,3 +52,32 @@ def append_round(text: str, block: str, source: str) -> str:
     if end == len(lines) and lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
     return "".join(lines[:end]) + block + "".join(lines[end:])
+
+
+def hparam_dict(hp: HParam) -> dict:
+    """A search entry as the study file writes it."""
+    if hp.role == "fixed" and hp.best_of is not None:
+        return {"role": "fixed", "best_of": hp.best_of}
+    if hp.role == "fixed":
+        return {"role": "fixed", "value": hp.value}
+    if hp.type == "choice":
+        return {"role": hp.role, "type": "choice", "values": list(hp.values)}
+    return {"role": hp.role, "type": hp.type, "min": hp.min, "max": hp.max, "scale": hp.scale}
+
+
+def scalar(v: Any) -> str:
+    """A YAML scalar that the study loader reads back as `v`."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(scalar(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {scalar(x)}" for k, x in v.items()) + "}"
+    text = str(v)
+    if _PLAIN.match(text) and text.lower() not in _YAML_WORDS:
+        return text
+    return json.dumps(text)

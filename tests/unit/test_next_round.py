@@ -11,8 +11,9 @@ import pytest
 
 from service.analysis import curves
 from service.analysis.input_bound import InputTotals, input_bound
-from service.analysis.next_round import as_yaml, beyond, propose, widen
+from service.analysis.next_round import as_yaml, propose
 from service.analysis.round_checks import verdicts_for_round
+from service.analysis.widening import beyond, widen
 from service.core.errors import SpecError
 from service.study import spec
 from service.study.chain import chain
