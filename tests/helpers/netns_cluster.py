@@ -225,6 +225,17 @@ class NetnsCluster:
 
     def start_head(self) -> Host:
         host = self.make_host("head")
+        self.launch_head(host)
+        return host
+
+    def restart_head(self) -> Host:
+        """A new head in the (emptied) head namespace, as after a lost head machine: a new GCS
+        with no memory of the old cluster, on new ports (the old ones' sockets may linger)."""
+        self.ports = free_ports(HEAD_PORTS)
+        self.launch_head(self.head)
+        return self.head
+
+    def launch_head(self, host: Host) -> None:
         cmd = [
             *head_command(host.temp_dir, self.ports, num_cpus=0),
             "--node-ip-address",
@@ -237,12 +248,23 @@ class NetnsCluster:
         ]
         self.launch(host, cmd)
         wait_for_dashboard(self.dashboard, host.process, self.log_path(host))
-        return host
 
     def add_host(self, name: str, cpus: int = 2) -> Host:
         """A worker host joined to the head: `cpus` CPUs and the resource `host_<name>`; returns
         once the head lists it alive."""
         host = self.make_host(name)
+        self.join(host, cpus)
+        return host
+
+    def rejoin(self, name: str, cpus: int = 2) -> Host:
+        """Start Ray again in a worker host's namespace (its Ray processes ended), joined to the
+        head as it is now; returns once the head lists it alive."""
+        host = self.hosts[name]
+        self.join(host, cpus)
+        return host
+
+    def join(self, host: Host, cpus: int) -> None:
+        name = host.name
         cmd = [
             f"{BIN}/ray",
             "start",
@@ -263,10 +285,10 @@ class NetnsCluster:
         ]
         self.launch(host, cmd)
         self.wait_alive(host)
-        return host
 
     def launch(self, host: Host, cmd: list[str]) -> None:
-        log = open(self.log_path(host), "w")
+        # A restarted host's log goes on after its first run's.
+        log = open(self.log_path(host), "w" if host.process is None else "a")
         host.process = subprocess.Popen(
             # A hostname of its own (a UTS namespace), as a real host has: gloo binds the address
             # its host's name resolves to, which is loopback for this machine's own name.
