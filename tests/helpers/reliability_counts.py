@@ -115,13 +115,16 @@ def generated_block(text: str) -> str:
     return block.strip().removeprefix("```").removesuffix("```").strip("\n")
 
 
-def rewrite_doc(path: str, lines: list[str]) -> None:
+def rewrite_doc(path: str, lines: list[str], begin: str = BEGIN, end: str = END, fenced: bool = True) -> None:
+    """Replace the block between the markers `begin` and `end` of `path` with `lines` (in a
+    code fence when `fenced`)."""
     with open(path) as f:
         text = f.read()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    body = "\n".join(lines) + "\n"
     with open(path, "w") as f:
-        f.write(head + BEGIN + "\n```\n" + "\n".join(lines) + "\n```\n" + END + tail)
+        f.write(head + begin + "\n" + ("```\n" + body + "```\n" if fenced else body) + end + tail)
 
 
 if __name__ == "__main__":

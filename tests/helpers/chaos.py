@@ -1,0 +1,437 @@
+"""Chaos runs: a small study, run by `playbook run` on an embedded Ray as a user runs it, with one
+of its processes SIGKILLed at a random moment; the user's rerun (only where the command died or
+failed) must end bitwise equal to the uninterrupted reference.
+
+Two studies, run alike: `solo` (one-worker trials: the Tune trial's process trains) and `pair`
+(two-worker trials: a Ray Train controller and two training workers), each with a local input
+worker process per rank (`input.workers: processes`). Every run draws, from its own seed, a
+process class (uniformly from CLASSES), a study that has it, and a moment: uniform over the span
+in which the reference run had a process of that class alive. At that moment one live process
+of the class (drawn from them, oldest first) is SIGKILLed; none alive then means the next one
+to come up. The results compared with the reference: the trial table (minus its timing columns,
+a checkpoint by its step), each trial's metrics log (minus timings), and every kept checkpoint
+(the same steps; model, optimizer, every rank's RNG, history without timings, equal tensor for
+tensor). After each command no process of its session nor its reaper may be left.
+
+`python -m tests.helpers.chaos --runs N [--seed S] [--only CLASS] [--no-doc]`: run i uses seed
+S + i, so `--seed S+i --runs 1` replays it. Without `--only` and `--no-doc` the figure and the
+table of runs are written into docs/reliability.md (the generated block between the markers)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import pyarrow.parquet as pq
+import yaml
+
+from service.distributed import checkpoint
+from service.trainer.loop import TIMING_FIELDS
+from tests.helpers.playbook_process import output, start_run, titles, watchers_of
+from tests.helpers.processes import kill_session, session_pids
+from tests.helpers.reliability_counts import DOC, rewrite_doc
+from tests.helpers.studies import same_nested, study_dict
+
+BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+CLASSES = ("driver", "coordinator", "tune_run", "trial", "train_controller", "train_worker", "input_worker")
+TITLES = {
+    "coordinator": "ray::Coordinator",
+    "tune_run": "ray::TuneRun",
+    "trial": "ray::ImplicitFunc",
+    "train_controller": "ray::TrainController",
+    "train_worker": "ray::RayTrainWorker",
+}
+PAIR_ONLY = ("train_controller", "train_worker")
+SELF_HEALING = ("tune_run", "trial", "train_controller", "train_worker", "input_worker")
+"""Classes whose loss the service recovers from by itself: `playbook run` should exit 0."""
+STEPS, EVERY = 600, 100
+TABLE_TIMINGS = ("updated_at", "input/exposed_fraction", "input/verdict", "input/bound")
+"""Trial-table columns measured on the wall clock (the input verdict and bound are read from
+the exposed fraction)."""
+COMMAND_TIMEOUT_S = 900  # a command still running then is a hang, and the run's outcome
+GONE_WITHIN_S = 30  # after a command ends, its session's processes and its reaper must be gone
+
+
+def study_raw(name: str, digits_dir: str, storage: str) -> dict:
+    """The `solo` or `pair` study: two trials, one at a time, a checkpoint every EVERY steps."""
+    workers = {"solo": 1, "pair": 2}[name]
+    return study_dict(
+        _Path(digits_dir),
+        storage,
+        name=f"chaos-{name}",
+        scaling={"num_hosts": 1, "workers_per_host": workers},
+        input={"workers": "processes", "num_input_workers": 1},
+        training={"max_train_steps": STEPS, "eval_every_steps": EVERY, "schedule": {"kind": "constant"}},
+        search={
+            "learning_rate": {"role": "nuisance", "type": "choice", "values": [0.05, 0.1]},
+            "momentum": {"role": "fixed", "value": 0.9},
+            "width": {"role": "fixed", "value": 4},
+        },
+        rounds=[{"name": "explore", "kind": "grid", "num_trials": 2, "max_concurrent_trials": 1}],
+    )
+
+
+class _Path(str):
+    """A folder path that `study_dict` can join with `/` (it takes pytest's Path)."""
+
+    def __truediv__(self, other: str) -> str:
+        return os.path.join(self, other)
+
+
+def write_study(name: str, digits_dir: str, folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "study.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(study_raw(name, digits_dir, os.path.join(folder, "storage")), f)
+    return path
+
+
+def study_uri(name: str, folder: str) -> str:
+    return os.path.join(folder, "storage", f"chaos-{name}")
+
+
+# -- the processes of a run ------------------------------------------------------------------
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def processes(driver_pid: int) -> dict[str, list[int]]:
+    """The study's processes by class, each list oldest first (by pid): the command itself, the
+    Ray actors by their titles, and the input workers (the children of an input fork server,
+    not the server)."""
+    found = {c: [] for c in CLASSES}
+    found["driver"].append(driver_pid)
+    cmds = titles(driver_pid)
+    for pid, cmd in sorted(cmds.items()):
+        for cls, title in TITLES.items():
+            if cmd.startswith(title):
+                found[cls].append(pid)
+        if _is_input_server(cmd) and _is_input_server(cmds.get(_parent(pid), "")):
+            found["input_worker"].append(pid)
+    return found
+
+
+def _is_input_server(cmd: str) -> bool:
+    return "multiprocessing.forkserver" in cmd and "service.data.process_input" in cmd
+
+
+def observe(proc, interval_s: float = 0.2) -> dict[str, tuple[float, float]]:
+    """Until `proc` ends: per class, the span (seconds from now) in which a process of it lived."""
+    t0, spans = time.time(), {}
+    while proc.poll() is None:
+        now = time.time() - t0
+        for cls, pids in processes(proc.pid).items():
+            if pids:
+                first, _ = spans.get(cls, (now, now))
+                spans[cls] = (first, now)
+        time.sleep(interval_s)
+    return spans
+
+
+def finish(proc, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int | None, list[str]]:
+    """(exit code, or None if it hung and was killed; what was left of its session and its
+    reaper GONE_WITHIN_S after it ended, each killed by pid)."""
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except Exception:  # subprocess.TimeoutExpired: a hang
+        rc = None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + GONE_WITHIN_S
+    while (session_pids(proc.pid) or watchers_of(proc.pid)) and time.time() < deadline:
+        time.sleep(0.5)
+    left = sorted(set(titles(proc.pid).values()))
+    watchers = watchers_of(proc.pid)
+    left += [f"reaper pid {pid}" for pid in watchers]
+    kill_session(proc.pid)
+    for pid in watchers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return rc, left
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+def trial_rows(uri: str) -> list[dict]:
+    rows = pq.read_table(os.path.join(uri, "trials.parquet")).to_pylist()
+    out = []
+    for row in sorted(rows, key=lambda r: r["trial_name"]):
+        row = {k: v for k, v in row.items() if k not in TABLE_TIMINGS}
+        if row.get("best_checkpoint"):
+            row["best_checkpoint"] = checkpoint.step_of(row["best_checkpoint"])
+        out.append(row)
+    return out
+
+
+def metrics_log(trial_dir: str) -> list[str]:
+    with open(os.path.join(trial_dir, "metrics.jsonl")) as f:
+        return [_untimed(json.loads(line)) for line in f if line.strip()]
+
+
+def _untimed(metrics: dict) -> str:
+    """`metrics` less its wall-clock fields, as canonical JSON: equal floats print alike (repr
+    round-trips), and so do two NaNs (a class never predicted has a NaN precision)."""
+    return json.dumps({k: v for k, v in metrics.items() if k not in TIMING_FIELDS}, sort_keys=True)
+
+
+def _same(a, b) -> bool:
+    """Equal values, NaN equal to NaN (a diverged trial's metric)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def kept_checkpoints(trial_dir: str) -> dict[int, str]:
+    dirs = [os.path.join(trial_dir, d) for d in os.listdir(trial_dir) if d.startswith("checkpoint_")]
+    return {checkpoint.step_of(d): d for d in dirs if checkpoint.is_complete(d)}
+
+
+def differences(got_uri: str, want_uri: str) -> list[str]:
+    """What differs between a run's results and the reference's (empty: bitwise equal)."""
+    try:
+        got_rows = trial_rows(got_uri)
+    except OSError as e:
+        return [f"no trial table: {e}"]
+    want_rows = trial_rows(want_uri)
+    diffs = []
+    if [r["trial_name"] for r in got_rows] != [r["trial_name"] for r in want_rows]:
+        return [f"trials {[r['trial_name'] for r in got_rows]} != {[r['trial_name'] for r in want_rows]}"]
+    for got, want in zip(got_rows, want_rows, strict=True):
+        name = want["trial_name"]
+        diffs += [
+            f"{name}: table {k} {got.get(k)!r} != {want.get(k)!r}" for k in want if got.get(k) != want.get(k)
+        ]
+        got_dir, want_dir = (os.path.join(u, "trials", name) for u in (got_uri, want_uri))
+        if metrics_log(got_dir) != metrics_log(want_dir):
+            diffs.append(f"{name}: metrics log differs")
+        diffs += _checkpoint_differences(name, kept_checkpoints(got_dir), kept_checkpoints(want_dir))
+    return diffs
+
+
+def _checkpoint_differences(name: str, got: dict[int, str], want: dict[int, str]) -> list[str]:
+    if sorted(got) != sorted(want):
+        return [f"{name}: kept checkpoints at steps {sorted(got)} != {sorted(want)}"]
+    diffs = []
+    for step in sorted(want):
+        a, b = checkpoint.load(got[step]), checkpoint.load(want[step])
+        for part in ("step", "model", "optimizer", "rng_states", "hparams", "scaler"):
+            if not same_nested(getattr(a, part), getattr(b, part)):
+                diffs.append(f"{name}: checkpoint at step {step}: {part} differs")
+        if [_untimed(h) for h in a.history] != [_untimed(h) for h in b.history]:
+            diffs.append(f"{name}: checkpoint at step {step}: history differs")
+    return diffs
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Reference:
+    uri: str
+    spans: dict[str, tuple[float, float]]
+    duration_s: float
+
+
+def run_reference(name: str, digits_dir: str, folder: str) -> Reference:
+    """The study uninterrupted, watched for when each class of process lives."""
+    study_file = write_study(name, digits_dir, folder)
+    t0 = time.time()
+    proc = start_run(study_file, folder)
+    spans = observe(proc)
+    rc, left = finish(proc)
+    if rc != 0 or left:
+        raise RuntimeError(f"the {name} reference run failed (exit {rc}, left {left}): {output(folder)}")
+    return Reference(study_uri(name, folder), spans, time.time() - t0)
+
+
+@dataclasses.dataclass
+class Draw:
+    seed: int
+    cls: str
+    study: str
+    moment_s: float
+    pick: float
+    """Which of the class's live processes is killed: this fraction of the way down the list."""
+
+
+def draw(seed: int, references: dict[str, Reference], only: str | None = None) -> Draw:
+    """A run's class, study, moment and process, from its seed alone."""
+    rng = random.Random(seed)
+    cls, study = _class_and_study(rng, only)
+    first, last = references[study].spans[cls]
+    return Draw(seed, cls, study, round(first + rng.random() * (last - first), 1), rng.random())
+
+
+def draw_study(seed: int, only: str | None = None) -> str:
+    """The study that run `seed` uses (what `draw` draws first, before it needs references)."""
+    return _class_and_study(random.Random(seed), only)[1]
+
+
+def _class_and_study(rng: random.Random, only: str | None) -> tuple[str, str]:
+    cls = only or rng.choice(CLASSES)
+    return cls, "pair" if cls in PAIR_ONLY else rng.choice(("solo", "pair"))
+
+
+@dataclasses.dataclass
+class Outcome:
+    draw: Draw
+    killed: str  # "pid N (title) at T s", or why nothing was killed
+    exit_code: int | None
+    rerun_exit_code: int | None  # None: no rerun was needed (or it hung)
+    reran: bool
+    differences: list[str]
+    left: list[str]
+    duration_s: float
+
+    @property
+    def killed_one(self) -> bool:
+        return self.killed.startswith("pid")
+
+    @property
+    def equal(self) -> bool:
+        return self.killed_one and not self.differences and not self.left
+
+    @property
+    def verdict(self) -> str:
+        if not self.killed_one:
+            return "no kill"
+        problems = self.differences + [f"left running: {p}" for p in self.left]
+        if problems:
+            return "; ".join(problems)
+        return "equal after the rerun" if self.reran else "equal"
+
+    def line(self) -> str:
+        d = self.draw
+        rerun = f", rerun exit {self.rerun_exit_code}" if self.reran else ", no rerun"
+        return (
+            f"seed {d.seed}: {d.cls} of {d.study} at {d.moment_s} s: killed {self.killed}; "
+            f"exit {self.exit_code}{rerun}; {self.verdict} ({self.duration_s:.0f} s)"
+        )
+
+
+def chaos_run(d: Draw, digits_dir: str, folder: str, reference: Reference) -> Outcome:
+    """One run: the study started, one process of `d.cls` SIGKILLed at `d.moment_s`, the
+    command rerun where it died or failed, the results compared with the reference."""
+    t0 = time.time()
+    study_file = write_study(d.study, digits_dir, folder)
+    proc = start_run(study_file, folder)
+    killed = kill_at(proc, d, t0)
+    rc, left = finish(proc)
+    rerun_rc, reran = None, rc != 0
+    if reran:
+        shutil.copy(os.path.join(folder, "err.txt"), os.path.join(folder, "err-first.txt"))
+        rerun = start_run(study_file, folder)
+        rerun_rc, rerun_left = finish(rerun)
+        left += rerun_left
+    done = rc == 0 or rerun_rc == 0
+    diffs = differences(study_uri(d.study, folder), reference.uri) if done else ["the rerun failed or hung"]
+    return Outcome(d, killed, rc, rerun_rc, reran, diffs, left, time.time() - t0)
+
+
+def kill_at(proc, d: Draw, t0: float) -> str:
+    """SIGKILL one live process of class `d.cls` at `d.moment_s` after `t0` (the next one to come
+    up when none lives then); what was killed, or why nothing was."""
+    while time.time() - t0 < d.moment_s and proc.poll() is None:
+        time.sleep(0.05)
+    while proc.poll() is None:
+        pids = processes(proc.pid)[d.cls]
+        if pids:
+            pid = pids[int(d.pick * len(pids))]
+            title = {"driver": "playbook run", "input_worker": "input worker"}.get(d.cls)
+            title = title or titles(proc.pid).get(pid, "?").split(" ")[0]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return f"pid {pid} ({title}) at {time.time() - t0:.1f} s"
+        time.sleep(0.05)
+    return f"nothing: the command ended (exit {proc.returncode}) before a {d.cls} process came up"
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def summary_lines(outcomes: list[Outcome], started: str, duration_s: float) -> list[str]:
+    equal = sum(o.equal for o in outcomes)
+    healing = [o for o in outcomes if o.draw.cls in SELF_HEALING]
+    lines = [
+        f"Chaos runs: {equal}/{len(outcomes)} equal to the uninterrupted reference "
+        f"(`make chaos`, {started}, {duration_s / 60:.0f} min); of the {len(healing)} runs that "
+        f"killed a process the service replaces by itself, {sum(not o.reran for o in healing)} "
+        "needed no rerun.",
+        "",
+        "| seed | process killed | study | moment | killed | exit | rerun exit | outcome |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        d = o.draw
+        rerun = str(o.rerun_exit_code) if o.reran else "no rerun"
+        cells = (d.seed, d.cls, d.study, f"{d.moment_s} s", o.killed, o.exit_code, rerun, o.verdict)
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.helpers.chaos", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument(
+        "--seed", type=int, default=None, help="run i uses seed SEED + i (default: from the clock)"
+    )
+    parser.add_argument(
+        "--only", choices=CLASSES, default=None, help="kill a process of this class in every run"
+    )
+    parser.add_argument(
+        "--no-doc", action="store_true", help="do not rewrite docs/reliability.md's chaos block"
+    )
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+    work = tempfile.mkdtemp(prefix="chaos-")
+    started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.time()
+    print(f"chaos: {args.runs} runs from seed {seed} in {work}", flush=True)
+
+    from service.data.builtin import write_digits
+
+    digits = os.path.join(work, "digits")
+    write_digits(digits)
+    draws_needed = {draw_study(seed + i, args.only) for i in range(args.runs)}
+    references = {}
+    for name in sorted(draws_needed):
+        references[name] = run_reference(name, digits, os.path.join(work, f"reference-{name}"))
+        print(f"reference {name}: {references[name].duration_s:.0f} s", flush=True)
+    outcomes = []
+    for i in range(args.runs):
+        d = draw(seed + i, references, args.only)
+        o = chaos_run(d, digits, os.path.join(work, f"run-{i:02d}"), references[d.study])
+        outcomes.append(o)
+        print(f"run {i + 1}/{args.runs}: {o.line()}", flush=True)
+    lines = summary_lines(outcomes, started, time.time() - t0)
+    print("\n".join(lines))
+    if not (args.only or args.no_doc):
+        rewrite_doc(DOC, lines, BEGIN, END, fenced=False)
+        print(f"wrote the chaos block of {os.path.relpath(DOC)}")
+    if all(o.equal for o in outcomes):
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print(f"kept {work} (each run's folder: out.txt, err.txt, err-first.txt, storage/)")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
