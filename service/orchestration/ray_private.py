@@ -83,3 +83,10 @@ def optuna_trial_of(searcher, trial_id: str):
     """The optuna trial behind a Tune trial of an `OptunaSearch` (its `_ot_trials`): Tune tells
     optuna only a trial's value, and a diverged trial's constraint is set on it before that."""
     return searcher._ot_trials[trial_id]
+
+
+def metrics_export_interval_s() -> float:
+    """How often a Ray process exports its metrics to its node's agent: `metrics_report_interval_ms`
+    (`RAY_metrics_report_interval_ms`), floored at 1 s as Ray's emitter floors it. The agent
+    drops a gauge not re-sent for two of these (`open_telemetry_metric_recorder`)."""
+    return max(ray._config.metrics_report_interval_ms(), 1000) / 1000

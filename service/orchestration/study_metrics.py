@@ -1,105 +1,100 @@
-"""The coordinator's Ray metrics (`ray.util.metrics`), tagged by study: they reach every Ray
-node's Prometheus endpoint and the dashboard's metrics page, with Ray's `ray_` prefix
-(`ray_playbook_trials_running{study="..."}`).
+"""The coordinator's Ray metrics (`ray.util.metrics`): the series of `tracking.live_metrics` on
+Ray gauges, tagged by study (and round, and trial for a running trial's). They reach the head
+node's Prometheus endpoint and the dashboard's metrics page with Ray's `ray_` prefix
+(`ray_playbook_trials_running{study="..."}`); deploy/grafana/playbook-study.json draws them.
 
-Values come from the trial table and from the Tune reports the coordinator already receives;
-per-trial rates are kept as one number per running trial (no history). Ray's metrics agent
-drops a gauge value that its process has not re-sent for two export intervals (~20 s), so the
-coordinator republishes every gauge every `REPUBLISH_S` (a trial may go minutes between
-evaluations) -- see `start_republishing`.
+Ray's metrics agent drops a gauge value that its process has not re-sent for two export
+intervals (`metrics_report_interval_ms`, 10 s by default), so the coordinator republishes every
+series it still has twice per interval (`start_republishing`; a trial may go minutes between
+evaluations), and a series it no longer has (a trial that is done) leaves Prometheus by itself.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 
 from ray.util.metrics import Counter, Gauge
 
-from service.core import ranking
-from service.core.trial_status import TrialStatus
+from service.orchestration import ray_private
+from service.tracking.live_metrics import ROUND_SERIES, TRIAL_EXPOSED, TRIAL_SERIES, LiveMetrics
 
-TAG_KEYS = ("study",)
-REPUBLISH_S = 5.0
-
-
-def exposed_input_fraction(result: dict) -> float | None:
-    """The exposed input fraction of a report, if the trainer reports one (any key ending
-    in `exposed_input_fraction` or `input/exposed_fraction`)."""
-    for key, value in result.items():
-        if key.endswith(("exposed_input_fraction", "input/exposed_fraction")) and isinstance(
-            value, float | int
-        ):
-            return float(value)
-    return None
+DESCRIPTIONS = {
+    "trials_pending": "trials of the study that are PENDING",
+    "trials_running": "trials of the study that are RUNNING",
+    "trials_finished": "trials of the study that are FINISHED",
+    "trials_diverged": "trials of the study that are DIVERGED",
+    "trials_failed": "trials of the study that are FAILED",
+    "steps_per_s": "training steps per second, summed over running trials",
+    "exposed_input_fraction": "mean exposed input fraction of running trials (when reported)",
+    "best_metric": "best validation metric so far (over every report)",
+    "worker_group_restarts": "attempts at the round's trials after their first",
+    "failed_attempts": "attempts at the round's trials that failed (restarted or FAILED)",
+    "trial_step": "a running trial's latest reported step",
+    "trial_total_steps": "a running trial's max_train_steps",
+    "trial_steps_per_s": "a running trial's training steps per second (its last evaluation interval)",
+    "trial_eval_s": "a running trial's last evaluation time (s)",
+    "trial_checkpoint_s": "a running trial's last checkpoint time (s)",
+    TRIAL_EXPOSED: "a running trial's exposed input fraction (when reported)",
+}
+STUDY_SERIES = tuple(n for n in DESCRIPTIONS if n not in ROUND_SERIES + TRIAL_SERIES + (TRIAL_EXPOSED,))
 
 
 class StudyMetrics:
     def __init__(self, study_name: str, mode: str):
         self.tags = {"study": study_name}
-        self.mode = mode
-        self._steps_per_s: dict[str, float] = {}
-        self._exposed: dict[str, float] = {}
-        self._best: float | None = None
-        self._counts: dict[str, int] = {}
+        self.values = LiveMetrics(mode)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-
-        def gauge(name: str, description: str) -> Gauge:
-            return Gauge(f"playbook_{name}", description=description, tag_keys=TAG_KEYS)
-
-        self.trials = {
-            status: gauge(f"trials_{status.lower()}", f"trials of the study that are {status}")
-            for status in TrialStatus
+        keys = {
+            **{n: ("study",) for n in STUDY_SERIES},
+            **{n: ("study", "round") for n in ROUND_SERIES},
+            **{n: ("study", "round", "trial") for n in (*TRIAL_SERIES, TRIAL_EXPOSED)},
         }
-        self.steps_per_s = gauge("steps_per_s", "training steps per second, summed over running trials")
-        self.exposed_input = gauge(
-            "exposed_input_fraction", "mean exposed input fraction of running trials (when reported)"
-        )
-        self.best_metric = gauge("best_metric", "best validation metric so far (over every report)")
+        self.gauges = {
+            n: Gauge(f"playbook_{n}", description=DESCRIPTIONS[n], tag_keys=keys[n]) for n in DESCRIPTIONS
+        }
         self.reports = Counter(
-            "playbook_trial_reports", description="evaluation reports received", tag_keys=TAG_KEYS
+            "playbook_trial_reports", description="evaluation reports received", tag_keys=("study",)
         )
 
     def on_rows(self, rows: list[dict]) -> None:
         """Trial counts by status, from the trial table."""
         with self._lock:
-            self._counts = {st: sum(1 for r in rows if r.get("status") == st) for st in self.trials}
+            self.values.on_rows(rows)
         self.publish()
 
-    def on_report(self, trial_name: str, result: dict, metric: str) -> None:
-        self.reports.inc(1, tags=self.tags)
-        rate, exposed, value = result.get("steps_per_s"), exposed_input_fraction(result), result.get(metric)
+    def on_trial_started(self, trial: dict) -> None:
         with self._lock:
-            if isinstance(rate, float | int) and math.isfinite(rate):
-                self._steps_per_s[trial_name] = float(rate)
-            if exposed is not None:
-                self._exposed[trial_name] = exposed
-            finite = isinstance(value, float | int) and math.isfinite(value)
-            if result.get("status") != TrialStatus.DIVERGED.reported and finite:
-                if self._best is None or ranking.key(value, self.mode) < ranking.key(self._best, self.mode):
-                    self._best = float(value)
+            self.values.on_started(trial)
+        self.publish()
+
+    def on_report(self, trial: dict, result: dict, metric: str) -> None:
+        self.reports.inc(1, tags=self.tags)
+        with self._lock:
+            self.values.on_report(trial, result, metric)
         self.publish()
 
     def on_trial_done(self, trial_name: str) -> None:
         with self._lock:
-            self._steps_per_s.pop(trial_name, None)
-            self._exposed.pop(trial_name, None)
+            self.values.on_done(trial_name)
         self.publish()
 
     def publish(self) -> None:
-        """Set every gauge to its current value."""
+        """Set every series the study has now."""
         with self._lock:
-            for status, g in self.trials.items():
-                g.set(self._counts.get(status, 0), tags=self.tags)
-            self.steps_per_s.set(sum(self._steps_per_s.values()), tags=self.tags)
-            if self._exposed:
-                self.exposed_input.set(sum(self._exposed.values()) / len(self._exposed), tags=self.tags)
-            if self._best is not None:
-                self.best_metric.set(self._best, tags=self.tags)
+            for name, value in self.values.study_series().items():
+                self.gauges[name].set(value, tags=self.tags)
+            for rnd, series in self.values.round_series().items():
+                for name, value in series.items():
+                    self.gauges[name].set(value, tags={**self.tags, "round": rnd})
+            for trial, (rnd, series) in self.values.trial_series().items():
+                for name, value in series.items():
+                    self.gauges[name].set(value, tags={**self.tags, "round": rnd, "trial": trial})
 
-    def start_republishing(self, interval_s: float = REPUBLISH_S) -> None:
-        """A daemon thread that republishes the gauges until `stop` (or the process ends)."""
+    def start_republishing(self, interval_s: float | None = None) -> None:
+        """A daemon thread that republishes the series until `stop` (or the process ends),
+        every half of Ray's metrics export interval unless `interval_s` says otherwise."""
+        interval_s = interval_s or ray_private.metrics_export_interval_s() / 2
 
         def loop() -> None:
             while not self._stop.wait(interval_s):

@@ -18,9 +18,16 @@ COMPILE_MIN_INTERVAL_S = 10.0
 
 
 class RowsObserver(Protocol):
-    """What counts a study's rows as they change (the Ray metrics, `orchestration.study_metrics`)."""
+    """What counts a study's rows as they change and follows its trials (the Ray metrics,
+    `orchestration.study_metrics`)."""
 
     def on_rows(self, rows: list[dict]) -> None: ...
+
+    def on_trial_started(self, trial: dict) -> None: ...
+
+    def on_report(self, trial: dict, result: dict, metric: str) -> None: ...
+
+    def on_trial_done(self, trial_name: str) -> None: ...
 
 
 @dataclass

@@ -42,6 +42,8 @@ class TrialEvents:
             hparams = " ".join(f"{k}={fmt(v)}" for k, v in trial.get("hparams", {}).items())
             self.say(f"[{name}] started: {total} steps, {hparams}".rstrip(", "))
         self.table.save_soon()  # and the study's index row (the table's on_save)
+        if self.observers:
+            self.observers.metrics.on_trial_started(trial)
         if self.mirror:
             self.mirror.trial_started(trial)
 
@@ -51,7 +53,7 @@ class TrialEvents:
             return
         name, step, total = trial["trial_name"], result.get("step"), trial["max_train_steps"]
         if self.observers:
-            self.observers.metrics.on_report(name, result, self.metric)
+            self.observers.metrics.on_report(trial, result, self.metric)
         if self.mirror:
             self.mirror.report(name, result)
         self.table.update(name, status=TrialStatus.RUNNING, step=step, metric=result.get(self.metric))

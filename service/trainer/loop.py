@@ -19,7 +19,7 @@ from service.core.trial_status import TrialStatus
 from service.data import files
 from service.data.loader import Batch, TrainStream, eval_batches
 from service.data.prefetch import prefetch_stream
-from service.distributed import checkpoint, sharded, sharding, topology_record
+from service.distributed import checkpoint, fence, sharded, sharding, topology_record
 from service.distributed.checkpoint import TrialState
 from service.distributed.rank0 import Rank0
 from service.distributed.topology import Topology, init_seed
@@ -173,7 +173,9 @@ def eval_point(
     sync_start = time.perf_counter()
     sync_batchnorm_stats(ctx.model)
     row["multihost/bn_sync_s"] = time.perf_counter() - sync_start
+    eval_start = time.perf_counter()
     row.update(run_evals(ctx, progress.step))
+    row["eval_s"] = time.perf_counter() - eval_start
     if ctx.evals.train_part is not None:
         row.update(train_eval_fields(ctx))
     progress.history.append(row)
@@ -251,7 +253,9 @@ def checkpoint_and_report(
     ctx: TrialContext, progress: Progress, row: dict, reporter: Reporter, checkpointer: Checkpointer | None
 ) -> None:
     """Rank 0 saves the checkpoint (through `checkpointer`, or to a temporary directory handed to
-    the reporter), then the metrics log; every rank reports."""
+    the reporter), then the metrics log; every rank reports. `checkpoint_s` is how long the eval
+    point waited for its checkpoint: a background save until it was handed over, a Ray Train
+    trial's local copy but not its upload by `ray.train.report`."""
     tr, step, history = ctx.training, progress.step, progress.history
     best = best_row(history, tr.metric, tr.mode)
     report = {  # flat scalars only: per-class details stay in the metrics log
@@ -260,6 +264,9 @@ def checkpoint_and_report(
         "best_step": best["step"],
         "best_metric": best[tr.metric],
     }
+    attempt = fence.held(ctx.plan.trial_uri)
+    if attempt is not None:  # which attempt at the trial reports (the study's restart counts)
+        report["attempt"] = attempt.attempt
     rng_states = topology_record.gather(rng.capture())  # every rank's generators, by world rank
     model_state, optimizer_state = sharding.state_dicts(ctx.model, ctx.optimizer)  # a shard's, under fsdp
     state = TrialState(
@@ -271,15 +278,18 @@ def checkpoint_and_report(
         dict(ctx.plan.hparams),
         ctx.precision.state_dict(),
     )
+    save_start = time.perf_counter()
     if checkpointer is not None:
         on_its_ranks(checkpointer, ctx.rank0, checkpointer.save, state, report)
+        row["checkpoint_s"] = time.perf_counter() - save_start
         ctx.rank0.run(ctx.metrics_log.write, history)
-        reporter.report(report, None)
+        reporter.report({**report, "checkpoint_s": row["checkpoint_s"]}, None)
     else:
         with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
             saved = ctx.rank0.run(save_checkpoint, state, tmp, report)
+            row["checkpoint_s"] = time.perf_counter() - save_start
             ctx.rank0.run(ctx.metrics_log.write, history)
-            reporter.report(report, saved)
+            reporter.report({**report, "checkpoint_s": row["checkpoint_s"]}, saved)
 
 
 def on_its_ranks(checkpointer: Checkpointer, rank0: Rank0, fn: Callable, *args):
@@ -368,6 +378,8 @@ TIMING_FIELDS = (
     "input/augment_s",
     "multihost/reduce_s",
     "multihost/bn_sync_s",
+    "eval_s",
+    "checkpoint_s",
 )
 """Metrics-log fields that are wall-clock measurements: they differ between identical runs (the
 `multihost/*` ones also between the ranks of one run: each rank times its own collective)."""
