@@ -39,3 +39,35 @@ def configmap_mounts(pod: dict, configmap_name: str) -> list[str]:
         for m in c.get("volumeMounts", [])
         if volumes[m["name"]].get("configMap", {}).get("name") == configmap_name
     ]
+
+
+def kuberay_pod_labels(cluster_name: str, group: str) -> dict[str, str]:
+    """The labels KubeRay (v1.x, `ray-operator/controllers/ray/utils/constant.go`) puts on a Ray
+    pod of the cluster `cluster_name` in `group` ("head" or a worker group's name)."""
+    node_type = "head" if group == "head" else "worker"
+    return {
+        "ray.io/cluster": cluster_name,
+        "ray.io/group": "headgroup" if group == "head" else group,
+        "ray.io/node-type": node_type,
+        "ray.io/is-ray-node": "yes",
+        "ray.io/identifier": f"{cluster_name}-{node_type}",
+        "app.kubernetes.io/name": "kuberay",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": labels.get(key) in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True

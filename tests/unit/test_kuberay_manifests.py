@@ -2,7 +2,9 @@
 RayCluster v1) or the Kubernetes schemas (ConfigMap, ServiceAccount), strictly (unknown fields
 are errors, as with kubectl's default --validate=strict); broken manifests are rejected; and
 the manifests say what deploy/README.md promises (token auth, ClusterIP dashboard, CPU and GPU
-groups, resources, workload identity, the study file from the ConfigMap)."""
+groups, resources, workload identity, the study file from the ConfigMap). The PodMonitor
+(Prometheus Operator's kind, no schema here) selects every Ray pod KubeRay makes for them, and
+the heads carry the environment the Ray dashboard reads to embed Grafana."""
 
 from __future__ import annotations
 
@@ -18,13 +20,21 @@ import pytest
 import yaml
 
 from service.study import spec
-from tests.helpers.kuberay import configmap_mounts, find, manifest_docs, pod_templates
+from tests.helpers.kuberay import (
+    configmap_mounts,
+    find,
+    kuberay_pod_labels,
+    manifest_docs,
+    pod_templates,
+    selects,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # shared/ sits beside the repository (the worktree's or CI's clone): <repo>/../shared.
 CRD_DIR = ROOT.parent / "shared" / "kuberay-crds"
 K8S_VERSION = "1.33"  # the oldest Kubernetes minor the manifests are checked against
 CORE_KINDS = {"ConfigMap", "ServiceAccount"}
+MONITOR_KINDS = {"PodMonitor"}  # checked by test_podmonitor_selects_every_ray_pod
 FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are 2 MB of YAML
 
 
@@ -73,11 +83,15 @@ def validate(obj: dict) -> None:
 
 def test_the_manifests_are_there():
     kinds = sorted(d["kind"] for _, d in manifest_docs())
-    assert kinds == ["ConfigMap", "RayCluster", "RayJob", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "PodMonitor", "RayCluster", "RayJob", "ServiceAccount"]
     assert {("ray.io/v1", "RayJob"), ("ray.io/v1", "RayCluster")} <= set(crd_validators())
 
 
-@pytest.mark.parametrize("name,obj", manifest_docs(), ids=lambda v: v if isinstance(v, str) else v["kind"])
+@pytest.mark.parametrize(
+    "name,obj",
+    [(n, d) for n, d in manifest_docs() if d["kind"] not in MONITOR_KINDS],
+    ids=lambda v: v if isinstance(v, str) else v["kind"],
+)
 def test_manifest_validates(name, obj):
     validate(obj)
 
@@ -171,3 +185,49 @@ def test_rayjob_runs_one_study_from_the_configmap():
         assert [Path(m) for m in mounts] == [study_path.parent], name
     study = spec.load_text(config["data"][study_path.name])
     assert study.storage.startswith("gs://") and study.data.train.startswith("gs://")
+
+
+def ray_clusters() -> list[tuple[str, dict]]:
+    """(the name KubeRay gives the cluster, its spec) of the RayCluster and of the RayJob's
+    cluster (named after the job, with a random suffix)."""
+    job = find("RayJob")
+    return [
+        (find("RayCluster")["metadata"]["name"], find("RayCluster")["spec"]),
+        (f"{job['metadata']['name']}-x7k2p", job["spec"]["rayClusterSpec"]),
+    ]
+
+
+def test_podmonitor_selects_every_ray_pod():
+    monitor = find("PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"  # the port KubeRay names on every Ray container
+    for cluster_name, cluster in ray_clusters():
+        for group, pod in pod_templates(cluster):
+            labels = kuberay_pod_labels(cluster_name, group)
+            assert selects(monitor["spec"]["selector"], labels), (cluster_name, group)
+            # KubeRay adds its `metrics` port only to a container that lists no ports of its own
+            assert all("ports" not in c for c in pod["containers"]), (cluster_name, group)
+    # and not pods that are not Ray's
+    assert not selects(monitor["spec"]["selector"], {"app": "prometheus"})
+    assert not selects(
+        monitor["spec"]["selector"], {**kuberay_pod_labels("x", "head"), "ray.io/node-type": "redis"}
+    )
+
+
+@pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
+def test_head_embeds_grafana(kind):
+    from ray.dashboard.modules.metrics import metrics_head
+
+    obj = find(kind)
+    cluster = obj["spec"]["rayClusterSpec"] if kind == "RayJob" else obj["spec"]
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in head["env"]}
+    read_by_ray = {
+        metrics_head.PROMETHEUS_HOST_ENV_VAR,
+        metrics_head.PROMETHEUS_NAME_ENV_VAR,
+        metrics_head.GRAFANA_HOST_ENV_VAR,
+        metrics_head.GRAFANA_IFRAME_HOST_ENV_VAR,
+    }
+    assert set(env) == read_by_ray
+    assert all(env[k].startswith("http://") for k in read_by_ray - {metrics_head.PROMETHEUS_NAME_ENV_VAR})
