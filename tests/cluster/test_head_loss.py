@@ -133,8 +133,8 @@ def test_a_lost_head_is_replaced_and_the_resubmitted_study_resumes(digits_dir, t
     finally:
         cluster.close()
     assert killed and cut["logged"] <= STEPS - 2 * EVERY
-    assert "round explore: resuming from" in logs
     assert folder_state(first.trial_uri) == finished  # not run again, not written
+    assert "round explore: resuming from" in logs
     assert max(cut["committed"]) <= max(at_restart) == resumed_from(last) < STEPS
     assert statuses(study_uri) == {t: "FINISHED" for t in TRIALS}  # one row each
     for plan, (ref_plan, ref_checkpoints) in zip((first, last), references, strict=True):
