@@ -5,10 +5,11 @@ failed) must end bitwise equal to the uninterrupted reference.
 Two studies, run alike: `solo` (one-worker trials: the Tune trial's process trains) and `pair`
 (two-worker trials: a Ray Train controller and two training workers), each with a local input
 worker process per rank (`input.workers: processes`). Every run draws, from its own seed, a
-process class (uniformly from CLASSES), a study that has it, and a moment: uniform over the span
-in which the reference run had a process of that class alive. At that moment one live process
-of the class (drawn from them, oldest first) is SIGKILLed; none alive then means the next one
-to come up. The results compared with the reference: the trial table (minus its timing columns,
+process class (uniformly from CLASSES), a study that has it, and a moment: uniform over the time
+processes of that class lived in the reference run, named by which of them (the nth of the class
+to come up) and how long after it came up, so that a run slower or faster than the reference
+kills in the same part of the study. That process is SIGKILLed then (gone by then: the next one
+of the class alive). The results compared with the reference: the trial table (minus its timing columns,
 a checkpoint by its step), each trial's metrics log (minus timings), and every kept checkpoint
 (the same steps; model, optimizer, every rank's RNG, history without timings, equal tensor for
 tensor). After each command no process of its session nor its reaper may be left.
@@ -57,6 +58,8 @@ TABLE_TIMINGS = ("updated_at", "input/exposed_fraction", "input/verdict", "input
 """Trial-table columns measured on the wall clock (the input verdict and bound are read from
 the exposed fraction)."""
 COMMAND_TIMEOUT_S = 900  # a command still running then is a hang, and the run's outcome
+POLL_S = 0.1  # how often a run's processes are listed
+LATEST = 0.8  # a process is killed within the first this-much of its life in the reference
 GONE_WITHIN_S = 30  # after a command ends, its session's processes and its reaper must be gone
 
 
@@ -129,17 +132,17 @@ def _is_input_server(cmd: str) -> bool:
     return "multiprocessing.forkserver" in cmd and "service.data.process_input" in cmd
 
 
-def observe(proc, interval_s: float = 0.2) -> dict[str, tuple[float, float]]:
-    """Until `proc` ends: per class, the span (seconds from now) in which a process of it lived."""
-    t0, spans = time.time(), {}
+def observe(proc) -> dict[str, list[tuple[float, float]]]:
+    """Until `proc` ends: per class, each of its processes in the order they came up, as the
+    (first, last) moment it was seen alive, in seconds from now."""
+    t0, lives = time.time(), {c: {} for c in CLASSES}
     while proc.poll() is None:
         now = time.time() - t0
         for cls, pids in processes(proc.pid).items():
-            if pids:
-                first, _ = spans.get(cls, (now, now))
-                spans[cls] = (first, now)
-        time.sleep(interval_s)
-    return spans
+            for pid in pids:
+                lives[cls].setdefault(pid, [now, now])[1] = now
+        time.sleep(POLL_S)
+    return {cls: [tuple(life) for life in by_pid.values()] for cls, by_pid in lives.items() if by_pid}
 
 
 def finish(proc, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int | None, list[str]]:
@@ -243,7 +246,7 @@ def _checkpoint_differences(name: str, got: dict[int, str], want: dict[int, str]
 @dataclasses.dataclass
 class Reference:
     uri: str
-    spans: dict[str, tuple[float, float]]
+    lives: dict[str, list[tuple[float, float]]]
     duration_s: float
 
 
@@ -252,11 +255,11 @@ def run_reference(name: str, digits_dir: str, folder: str) -> Reference:
     study_file = write_study(name, digits_dir, folder)
     t0 = time.time()
     proc = start_run(study_file, folder)
-    spans = observe(proc)
+    lives = observe(proc)
     rc, left = finish(proc)
     if rc != 0 or left:
         raise RuntimeError(f"the {name} reference run failed (exit {rc}, left {left}): {output(folder)}")
-    return Reference(study_uri(name, folder), spans, time.time() - t0)
+    return Reference(study_uri(name, folder), lives, time.time() - t0)
 
 
 @dataclasses.dataclass
@@ -264,17 +267,35 @@ class Draw:
     seed: int
     cls: str
     study: str
+    nth: int
+    """The process killed: the nth of its class to come up (from 0)..."""
+    delay_s: float
+    """... this long after it came up (the next one of the class, if it is gone by then)."""
     moment_s: float
-    pick: float
-    """Which of the class's live processes is killed: this fraction of the way down the list."""
+    """When that was in the reference run."""
+
+    @property
+    def moment(self) -> str:
+        return (
+            f"process {self.nth + 1} of its class, {self.delay_s} s after it came up ({self.moment_s} s in)"
+        )
 
 
 def draw(seed: int, references: dict[str, Reference], only: str | None = None) -> Draw:
-    """A run's class, study, moment and process, from its seed alone."""
+    """A run's class, study and moment, from its seed alone: a moment uniform over the time
+    processes of the class lived in the reference (each within its first LATEST), named by
+    which of them it fell in and how long after it came up, so that a run slower or faster
+    than the reference still kills in the same part of the study."""
     rng = random.Random(seed)
     cls, study = _class_and_study(rng, only)
-    first, last = references[study].spans[cls]
-    return Draw(seed, cls, study, round(first + rng.random() * (last - first), 1), rng.random())
+    lives = references[study].lives[cls]
+    spans = [last - first + POLL_S for first, last in lives]
+    at = rng.random() * sum(spans)
+    nth = 0
+    while at >= spans[nth] and nth < len(spans) - 1:
+        at, nth = at - spans[nth], nth + 1
+    delay = round(min(at, spans[nth]) * LATEST, 1)
+    return Draw(seed, cls, study, nth, delay, round(lives[nth][0] + delay, 1))
 
 
 def draw_study(seed: int, only: str | None = None) -> str:
@@ -319,7 +340,7 @@ class Outcome:
         d = self.draw
         rerun = f", rerun exit {self.rerun_exit_code}" if self.reran else ", no rerun"
         return (
-            f"seed {d.seed}: {d.cls} of {d.study} at {d.moment_s} s: killed {self.killed}; "
+            f"seed {d.seed}: {d.cls} of {d.study}, {d.moment}: killed {self.killed}; "
             f"exit {self.exit_code}{rerun}; {self.verdict} ({self.duration_s:.0f} s)"
         )
 
@@ -344,14 +365,18 @@ def chaos_run(d: Draw, digits_dir: str, folder: str, reference: Reference) -> Ou
 
 
 def kill_at(proc, d: Draw, t0: float) -> str:
-    """SIGKILL one live process of class `d.cls` at `d.moment_s` after `t0` (the next one to come
-    up when none lives then); what was killed, or why nothing was."""
-    while time.time() - t0 < d.moment_s and proc.poll() is None:
-        time.sleep(0.05)
+    """SIGKILL the `d.nth` process of class `d.cls` to come up, `d.delay_s` after it came up
+    (or, gone by then, the next one of the class alive); what was killed, or why nothing was."""
+    seen: list[int] = []
+    due = None
     while proc.poll() is None:
-        pids = processes(proc.pid)[d.cls]
-        if pids:
-            pid = pids[int(d.pick * len(pids))]
+        alive = processes(proc.pid)[d.cls]
+        seen += [pid for pid in alive if pid not in seen]
+        if due is None and len(seen) > d.nth:
+            due = time.time() + d.delay_s
+        later = [pid for pid in seen[d.nth :] if pid in alive]
+        if due is not None and time.time() >= due and later:
+            pid = later[0]
             title = {"driver": "playbook run", "input_worker": "input worker"}.get(d.cls)
             title = title or titles(proc.pid).get(pid, "?").split(" ")[0]
             try:
@@ -359,8 +384,8 @@ def kill_at(proc, d: Draw, t0: float) -> str:
             except ProcessLookupError:
                 continue
             return f"pid {pid} ({title}) at {time.time() - t0:.1f} s"
-        time.sleep(0.05)
-    return f"nothing: the command ended (exit {proc.returncode}) before a {d.cls} process came up"
+        time.sleep(POLL_S)
+    return f"nothing: the command ended (exit {proc.returncode}) before {d.moment}"
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -381,7 +406,7 @@ def summary_lines(outcomes: list[Outcome], started: str, duration_s: float) -> l
     for o in outcomes:
         d = o.draw
         rerun = str(o.rerun_exit_code) if o.reran else "no rerun"
-        cells = (d.seed, d.cls, d.study, f"{d.moment_s} s", o.killed, o.exit_code, rerun, o.verdict)
+        cells = (d.seed, d.cls, d.study, d.moment, o.killed, o.exit_code, rerun, o.verdict)
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
