@@ -1,5 +1,9 @@
 """Typed errors for bad input. The CLI turns each into one line on stderr and exit code 2."""
 
+from __future__ import annotations
+
+import errno
+
 
 class PlaybookError(Exception):
     """Base class: an error in what the user gave us (not a bug in the service)."""
@@ -17,6 +21,31 @@ class DataError(PlaybookError):
 
 class StorageError(PlaybookError):
     """The study storage cannot be read or written."""
+
+
+class StorageFull(StorageError):
+    """The study's storage has no space left (or its quota is used up): no retry helps until
+    space is freed. A trial that meets it ends at once, and its study stops; the same command
+    run again resumes from the last committed checkpoints. One line, exit code 1."""
+
+    exit_code = 1
+
+
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def storage_full(uri: str, error: BaseException) -> StorageFull | None:
+    """`error` as a StorageFull naming `uri`, where it says that storage is full: an OSError of
+    ENOSPC or EDQUOT, or a StorageError raised over one (`core.storage` keeps the OSError as its
+    context); None otherwise."""
+    if isinstance(error, StorageFull):
+        return error
+    cause = error.__context__ if isinstance(error, StorageError) else error
+    if isinstance(cause, OSError) and cause.errno in FULL_ERRNOS:
+        if isinstance(error, StorageError):
+            return StorageFull(str(error))
+        return StorageFull(f"{uri}: cannot write ({cause.strerror or cause})")
+    return None
 
 
 class StudyStopped(PlaybookError):

@@ -14,6 +14,7 @@ bare torch.save does. Manifests of format 1 (sha256) are still read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -64,9 +65,21 @@ class TrialState:
 
 def write_atomic(directory: str, name: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".partial")
-    with os.fdopen(fd, "wb") as f:
+    with _removed_on_error(tmp), os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, os.path.join(directory, name))
+
+
+@contextlib.contextmanager
+def _removed_on_error(tmp: str):
+    """The temporary file `tmp` is removed when the write into it fails (a full disk keeps none
+    of its bytes)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def entry(data: bytes, manifest_format: int = MANIFEST_FORMAT) -> dict:
@@ -87,8 +100,18 @@ class _ChecksummedWriter:
 
     def __init__(self, file, helper: Executor):
         self.file, self.helper, self.size, self.crc32 = file, helper, 0, 0
+        self.error: OSError | None = None
+        """The file's own error (a full disk): torch.save reports it as a RuntimeError of its
+        zip writer ("unexpected pos ..."), which says nothing of the cause."""
 
     def write(self, data) -> int:
+        try:
+            return self._write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def _write(self, data) -> int:
         if len(data) < OVERLAP_MIN_BYTES:  # headers and pickles: not worth a hand-off
             self.crc32 = zlib.crc32(data, self.crc32)
             written = self.file.write(data)
@@ -114,12 +137,18 @@ def save_state(state: TrialState, directory: str) -> dict:
     # The zip's own CRC-32s would be a second checksum pass that nothing reads (the setting is
     # thread-local, so other threads' torch.save calls keep theirs).
     with (
+        _removed_on_error(tmp),
         os.fdopen(fd, "wb") as f,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="playbook-ckpt-crc") as helper,
         serialization_config.patch({"save.compute_crc32": False}),
     ):
         writer = _ChecksummedWriter(f, helper)
-        torch.save(payload, writer)
+        try:
+            torch.save(payload, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
     os.replace(tmp, os.path.join(directory, STATE_FILE))
     return writer.entry()
 

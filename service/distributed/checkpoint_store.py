@@ -29,6 +29,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from service.core import storage
+from service.core.errors import storage_full
 from service.core.ranking import rank
 from service.distributed import checkpoint, fence
 from service.distributed.checkpoint import TrialState
@@ -76,12 +77,19 @@ class CheckpointStore:
         """Write `state` as the checkpoint of its step, then drop what retention no longer keeps.
         A stale attempt at the trial (`distributed.fence`) writes nothing, and commits nothing when a
         later attempt claimed the trial while it was writing."""
-        fence.check(self.uri(state.step))
-        with self.staging(state.step, uuid.uuid4().hex[:8]) as folder:
-            checkpoint.save(state, folder, metrics)
-            self.publish(state.step, folder)
+        uri = self.uri(state.step)
+        fence.check(uri)
+        try:
+            with self.staging(state.step, uuid.uuid4().hex[:8]) as folder:
+                checkpoint.save(state, folder, metrics)
+                self.publish(state.step, folder)
+        except OSError as e:  # a full disk ends the trial in one line naming the checkpoint
+            full = storage_full(uri, e)
+            if full is None:
+                raise
+            raise full from None
         self._retain()
-        return self.uri(state.step)
+        return uri
 
     @contextlib.contextmanager
     def staging(self, step: int, tag: str):
@@ -89,7 +97,12 @@ class CheckpointStore:
         beside it (named by `tag`: every rank of a sharded save writes into the same one),
         renamed into place; on an object store a temporary local folder, uploaded."""
         if self.local:
-            yield posixpath.join(self.path, f"{PARTIAL}{checkpoint_name(step)}-{tag}")
+            folder = posixpath.join(self.path, f"{PARTIAL}{checkpoint_name(step)}-{tag}")
+            try:
+                yield folder
+            except BaseException:  # what a failed save wrote goes at once (a full disk)
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
             return
         with tempfile.TemporaryDirectory(prefix="playbook-ckpt-") as tmp:
             yield tmp

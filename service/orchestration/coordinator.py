@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.analysis.report_lines import log_lines, round_verdicts
 from service.core import storage
-from service.core.errors import PlaybookError, StudyInterrupted
+from service.core.errors import PlaybookError, StorageFull, StudyInterrupted
 from service.core.trial_status import DONE, TrialStatus
 from service.orchestration.ray_private import remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
@@ -81,6 +81,7 @@ class Coordinator:
         self.state = "starting"
         self.current_round: str | None = None
         self.spare_runner = None  # a started TuneRun for the next Tune run
+        self.storage_full: StorageFull | None = None  # what stops the study after this round
 
     def run(self) -> list[dict]:
         # The first round's TuneRun starts (its process and imports) while the study is set up.
@@ -99,6 +100,8 @@ class Coordinator:
             self.current_round, self.state = rnd.name, "running"
             try:
                 started = self._run_round(rnd, last=i + 1 == len(self.study.rounds))
+                if self.storage_full is not None:  # the next trials would meet it too
+                    raise self.storage_full
             except BaseException:
                 self._write_rows(state="stopped")
                 raise
@@ -241,6 +244,12 @@ class Coordinator:
                 status=TrialStatus.PENDING,
                 max_train_steps=trial["max_train_steps"],
                 **row_fields(trial),
+            )
+        if kind == "stopped":  # its storage is full (`launch.final_error_of`)
+            kind, error = "error", args[0]
+            self.storage_full = StorageFull(
+                f"trial {trial['trial_name']}: {error}; free space and run the same command again: "
+                "it resumes from the last committed checkpoints"
             )
         getattr(self.events, kind)(trial, *args)
 

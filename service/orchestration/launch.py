@@ -16,7 +16,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig
 
 from service.analysis.input_bound import trial_input_row
 from service.core import storage
-from service.core.errors import CheckpointError, DataError
+from service.core.errors import CheckpointError, DataError, StorageError, StorageFull, storage_full
 from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.distributed import checkpoint, fence
@@ -225,11 +225,17 @@ def tune_trial(config: dict, study: Study) -> None:
     try:
         summary = train_trial(plan)
     except Exception as e:
-        error = data_error_of(e)
+        error = final_error_of(plan, e)
         if error is None:
             raise  # Tune retries it (TuneRun's FailureConfig)
         summary = failed_summary(plan, error)
     ray.tune.report({**summary, "summary": True})
+
+
+def final_error_of(plan: TrialPlan, error: BaseException) -> DataError | StorageFull | None:
+    """The error behind a trial's failure that the same trial would meet again on every try:
+    bad data, or storage that is full (which also stops the study: `StorageFull`)."""
+    return data_error_of(error) or storage_full(plan.trial_uri, error)
 
 
 def train_trial(plan: TrialPlan) -> dict:
@@ -251,15 +257,21 @@ def kept_summary(plan: TrialPlan, kept: list[tuple[str, dict]]) -> dict:
     return summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
 
 
-def failed_summary(plan: TrialPlan, error: DataError) -> dict:
-    """A data error ends the trial without a retry (Tune restarts a trial that raises): the
-    summary of a failed trial, with the error's message, also kept as the trial's error.txt."""
+def failed_summary(plan: TrialPlan, error: DataError | StorageFull) -> dict:
+    """A final error (`final_error_of`) ends the trial without a retry (Tune restarts a trial
+    that raises): the summary of a failed trial, with the error's message, also kept as the
+    trial's error.txt where storage takes it (a full disk may not)."""
     message = str(error)
-    storage.write_bytes_atomic(plan.layout.error_file, (message + "\n").encode())
+    try:
+        storage.write_bytes_atomic(plan.layout.error_file, (message + "\n").encode())
+    except StorageError:
+        if not isinstance(error, StorageFull):
+            raise
     return {
         plan.study.training.metric: worst(plan.study.training.mode),
         "status": TrialStatus.FAILED.reported,
         "error": message,
+        "stops_study": isinstance(error, StorageFull),
         "best_step": None,
         "best_checkpoint": None,
     }

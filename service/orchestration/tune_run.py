@@ -47,9 +47,9 @@ class ProgressCallback(tune.Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if result.get("summary") and result.get("status") == TrialStatus.FAILED.reported:
-            # A data error: the trial function ended it without a retry (`launch.tune_trial`),
-            # its message already in the trial's error.txt.
-            self._send("error", trial, result["error"])
+            # A final error: the trial function ended it without a retry (`launch.tune_trial`),
+            # its message already in the trial's error.txt; full storage stops the study too.
+            self._send("stopped" if result.get("stops_study") else "error", trial, result["error"])
             return
         self._send("result", trial, {k: v for k, v in result.items() if k != "config"})
 

@@ -1,0 +1,122 @@
+"""A full disk during a checkpoint: the study's storage is a small tmpfs, filled by a ballast
+file so that the trial's second checkpoint is the write that meets ENOSPC. `playbook run` ends
+with one line naming the checkpoint and exit code 1, without a retry (the disk stays full); the
+committed checkpoint before it still loads and nothing half-written is there; once the ballast
+is gone the same command resumes from that checkpoint and ends bitwise equal to a run that
+never met a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from service.distributed import checkpoint
+from service.study import spec
+from service.study.layout import CHECKPOINT_PREFIX
+from tests.helpers.full_disk import CHECKPOINT_MIB, fill_leaving, small_disk
+from tests.helpers.playbook_process import SERVICE_ROOT
+from tests.helpers.studies import same_nested, study_dict
+from tests.helpers.trainer_runs import without_timing
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+TRIAL = "explore-0000"
+COMPARED = ("status", "step", "metric", "best_metric", "best_step")
+# Free after set-up: the step-10 checkpoint fits, the step-20 one beside it does not.
+LEFT_FREE = CHECKPOINT_MIB * (1 << 20) * 3 // 2
+
+
+def study_of(digits_dir, storage) -> dict:
+    return study_dict(
+        digits_dir,
+        storage,
+        name="fulldisk",
+        workload="tests.helpers.full_disk:HeavyDigits",
+        training={"max_train_steps": 30, "eval_every_steps": 10, "num_checkpoints_to_keep": 1},
+        rounds=[{"name": "explore", "num_trials": 1}],
+    )
+
+
+def playbook_run(ray_cluster, study_file) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    return subprocess.run(
+        [sys.executable, "-m", "service", "run", str(study_file)],
+        cwd=os.path.dirname(study_file),
+        env={**env, "PYTHONPATH": SERVICE_ROOT},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def checkpoints(trial_dir) -> dict[int, str]:
+    """step -> folder of every checkpoint_* folder in the trial's folder."""
+    names = [n for n in os.listdir(trial_dir) if n.startswith(CHECKPOINT_PREFIX)]
+    return {checkpoint.step_of(os.path.join(trial_dir, n)): os.path.join(trial_dir, n) for n in names}
+
+
+def outcome(study: spec.Study) -> tuple[dict, list[dict], dict[int, checkpoint.TrialState]]:
+    """The trial's row, its metrics log without timings, and its kept checkpoints by step."""
+    (row,) = [r for r in pq.read_table(study.layout.trials_parquet).to_pylist() if r["trial_name"] == TRIAL]
+    trial = study.layout.trial(TRIAL)
+    with open(trial.metrics_log) as f:
+        log = [without_timing(json.loads(line)) for line in f]
+    kept = {step: checkpoint.load(d) for step, d in checkpoints(os.path.dirname(trial.metrics_log)).items()}
+    return {k: row.get(k) for k in COMPARED}, log, kept
+
+
+def plain(history: list[dict]) -> str:
+    """A checkpoint's history without timings, as JSON (a NaN precision equals itself there)."""
+    return json.dumps([without_timing(h) for h in history], sort_keys=True)
+
+
+def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(ray_cluster, digits_dir, tmp_path):
+    from service.orchestration.coordinator import run_study
+
+    reference = spec.load_dict(study_of(digits_dir, tmp_path / "reference"))
+    run_study(reference)
+    want_row, want_log, want_kept = outcome(reference)
+
+    with small_disk(tmp_path / "disk", 16) as disk:
+        raw = study_of(digits_dir, os.path.join(disk, "storage"))
+        study_file = tmp_path / "study.yaml"
+        study_file.write_text(yaml.safe_dump(raw))
+        study = spec.load_dict(raw)
+        trial_dir = os.path.dirname(study.layout.trial(TRIAL).metrics_log)
+        ballast = fill_leaving(disk, LEFT_FREE)
+
+        full = playbook_run(ray_cluster, study_file)
+        where = os.path.join(trial_dir, "checkpoint_00000020")
+        said = f"{where}: cannot write (No space left on device)"
+        assert full.returncode == 1, full.stderr
+        assert "Traceback" not in full.stdout + full.stderr
+        assert full.stderr.splitlines()[-1] == (
+            f"playbook: error: trial {TRIAL}: {said}; free space and run the same command again: "
+            "it resumes from the last committed checkpoints"
+        ), full.stderr
+        assert f"[{TRIAL}] FAILED: {said}" in full.stdout.splitlines()
+        with open(os.path.join(trial_dir, "attempt.json")) as f:
+            assert json.load(f)["attempt"] == 1  # not retried: the disk is as full on every try
+        # Nothing half-written is there, and the committed checkpoint before it loads.
+        assert not [n for n in os.listdir(trial_dir) if n.startswith(".")]
+        assert sorted(checkpoints(trial_dir)) == [10]
+        assert checkpoint.load(checkpoints(trial_dir)[10]).step == 10
+
+        os.remove(ballast)
+        rerun = playbook_run(ray_cluster, study_file)
+        assert rerun.returncode == 0, rerun.stderr
+        with open(os.path.join(trial_dir, "topology.json")) as f:
+            assert json.load(f)["ranks"][0]["resumed_from_step"] == 10
+        row, log, kept = outcome(study)
+    assert row == want_row and log == want_log
+    assert sorted(kept) == sorted(want_kept)
+    for step, state in kept.items():
+        ref = want_kept[step]
+        assert same_nested(state.model, ref.model) and same_nested(state.optimizer, ref.optimizer), step
+        assert same_nested(state.rng_states, ref.rng_states), step
+        assert plain(state.history) == plain(ref.history), step
