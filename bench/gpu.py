@@ -12,6 +12,7 @@ bench/results-gpu.json. Needs no Ray.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -155,6 +156,7 @@ def cnn_step_ratios() -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__).parse_args()  # --help
     if not torch.cuda.is_available():
         print(
             "bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured",

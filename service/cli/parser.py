@@ -14,8 +14,7 @@ from service.data.make import DATASETS
 
 DESCRIPTION = (
     "`playbook`: run | validate | next | status | report | studies | eval | export | find-steps |\n"
-    "find-batch-size | "
-    "data | demo."
+    "find-batch-size | data | preprocess | demo."
 )
 
 VERBOSE_HELP = "also show Ray's and Tune's own output (Tune's configuration boxes, Ray's INFO lines)"

@@ -8,6 +8,7 @@ it runs from a fresh clone; the demo study file is read from the repository."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -84,5 +85,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # No options; `--help` says what it does before anything starts (hosts, data, a job).
+    argparse.ArgumentParser(prog="python -m tests.helpers.real_hosts_demo", description=__doc__).parse_args()
     os.environ.pop("RAY_ADDRESS", None)
     sys.exit(main())
