@@ -14,17 +14,20 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
+from service.core.errors import StorageFull
 from service.distributed import checkpoint
+from service.distributed.checkpoint_store import CheckpointStore
 from service.study import spec
 from service.study.layout import CHECKPOINT_PREFIX
-from tests.helpers.full_disk import CHECKPOINT_MIB, fill_leaving, small_disk
+from tests.helpers.full_disk import CHECKPOINT_MIB, fill_leaving, free_bytes, small_disk
 from tests.helpers.playbook_process import SERVICE_ROOT
 from tests.helpers.studies import same_nested, study_dict
 from tests.helpers.trainer_runs import without_timing
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 TRIAL = "explore-0000"
 COMPARED = ("status", "step", "metric", "best_metric", "best_step")
 # Free after set-up: the step-10 checkpoint fits, the step-20 one beside it does not.
@@ -75,6 +78,24 @@ def plain(history: list[dict]) -> str:
     return json.dumps([without_timing(h) for h in history], sort_keys=True)
 
 
+def test_a_save_that_meets_a_full_disk_leaves_nothing_and_names_the_checkpoint(tmp_path):
+    """The store alone: the failed save's bytes are gone (the disk is as free as before it) and
+    the checkpoint before it is still the latest."""
+    state = checkpoint.TrialState(10, {"w": torch.zeros(1 << 18)}, {}, [], [{"step": 10}], {})  # 1 MiB
+    with small_disk(tmp_path / "disk", 4) as disk:
+        store = CheckpointStore(os.path.join(disk, "trial"), keep=1, metric="loss", mode="min")
+        store.save(state, {"loss": 1.0})
+        fill_leaving(disk, (1 << 20) // 2)
+        free = free_bytes(disk)
+        state.step = 20
+        with pytest.raises(StorageFull) as e:
+            store.save(state, {"loss": 0.5})
+        assert str(e.value) == f"{store.uri(20)}: cannot write (No space left on device)"
+        assert free_bytes(disk) == free and sorted(os.listdir(store.path)) == ["checkpoint_00000010"]
+        assert store.latest_state().step == 10
+
+
+@pytest.mark.ray
 def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(ray_cluster, digits_dir, tmp_path):
     from service.orchestration.coordinator import run_study
 
