@@ -33,8 +33,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 STEPS, EVERY = 3000, 500
 LEARNING_RATES = [0.05, 0.1]
 TRIALS = ["explore-0000", "explore-0001"]
-GCS_RECONNECT_TIMEOUT_S = 10
-"""How long the worker host's Ray waits for a lost GCS before it exits (Ray's default: 60 s)."""
+GCS_RECONNECT_TIMEOUT_S = 15
+"""How long the worker host's Ray waits for a lost GCS before it exits (Ray's default: 60 s).
+Set in the hosts' environment (`RAY_gcs_rpc_server_reconnect_timeout_s`), not the head's system
+config: a raylet makes its GCS client before it reads the cluster's config from the GCS."""
 JOB_TIMEOUT_S = 480
 
 
@@ -100,9 +102,8 @@ def test_a_lost_head_is_replaced_and_the_resubmitted_study_resumes(digits_dir, t
     first, last = plans_of(raw)
     study_uri = first.study.study_uri
     t0 = time.monotonic()
-    cluster = netns_cluster.NetnsCluster(
-        tmp_path / "netns", {"gcs_rpc_server_reconnect_timeout_s": GCS_RECONNECT_TIMEOUT_S}
-    )
+    cluster = netns_cluster.NetnsCluster(tmp_path / "netns")
+    cluster.env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(GCS_RECONNECT_TIMEOUT_S)
     try:
         cluster.make_bridge()
         cluster.start_head()
