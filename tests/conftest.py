@@ -38,6 +38,9 @@ def ray_cluster():
         # Not forwarded to pytest's stderr: an earlier test's actor could print into a later
         # test's captured output. A command's own output is what its tests compare.
         log_to_driver=False,
+        # Metrics exported every second (Ray: 10): a `playbook run` on this cluster waits for
+        # its study's last values to be exported (`run_study`'s settle_metrics).
+        _system_config={"metrics_report_interval_ms": 1000},
         runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
     )
     yield ray

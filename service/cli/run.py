@@ -63,8 +63,10 @@ def cmd_run(args) -> int:
     print(provenance.summary(record))
     from service.cli.live_table import view_for
 
-    # its lines as it goes (a live table below them on a terminal); each round's verdicts once
-    rows = run_study(study, view_for(study.training.metric))
+    # its lines as it goes (a live table below them on a terminal); each round's verdicts once;
+    # on a cluster that outlives the run, the study's last metric values reach Prometheus
+    on_cluster = bool(os.environ.get("RAY_ADDRESS"))
+    rows = run_study(study, view_for(study.training.metric), settle_metrics=on_cluster)
     print_table(rows, study.training.metric, study.training.mode)
     failed = [r["trial_name"] for r in rows if r.get("status") == TrialStatus.FAILED]
     if failed:

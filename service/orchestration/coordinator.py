@@ -262,6 +262,11 @@ class Coordinator:
     def _concurrency(self, rnd: Round) -> int:
         return rnd.max_concurrent_trials or trials_that_fit(self.study, ray.cluster_resources())
 
+    def settle_metrics(self) -> None:
+        """Return once Ray has exported the study's last metric values (its final counts), so
+        that they reach Prometheus before this actor goes."""
+        time.sleep(self.observers.metrics.exported_in_s())
+
     def status(self) -> dict:
         return {
             "study": self.study.name,
@@ -295,10 +300,11 @@ def tune_runner():
     return TuneRun.options(scheduling_strategy=on_this_node()).remote()
 
 
-def run_study(study: Study, view=None) -> list[dict]:
+def run_study(study: Study, view=None, settle_metrics: bool = False) -> list[dict]:
     """Start the study's coordinator on the connected Ray cluster and wait for it, showing what
     it says to its user on `view` as it goes (`cli.live_table`: `say(line)`, `running(trials)`;
-    default: the lines printed)."""
+    default: the lines printed). `settle_metrics`: the coordinator stays until its last metric
+    values are exported (a cluster that Prometheus scrapes outlives the study)."""
     name = actor_name(study.name)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
@@ -314,7 +320,10 @@ def run_study(study: Study, view=None) -> list[dict]:
         name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}, scheduling_strategy=on_this_node()
     ).remote(study)
     try:
-        return follow(coordinator, coordinator.run.remote(), view or PlainLines())
+        rows = follow(coordinator, coordinator.run.remote(), view or PlainLines())
+        if settle_metrics:
+            ray.get(coordinator.settle_metrics.remote())
+        return rows
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, PlaybookError):  # bad input: its one line, not Ray's traceback
             raise e.cause from None

@@ -7,11 +7,14 @@ Ray's metrics agent drops a gauge value that its process has not re-sent for two
 intervals (`metrics_report_interval_ms`, 10 s by default), so the coordinator republishes every
 series it still has twice per interval (`start_republishing`; a trial may go minutes between
 evaluations), and a series it no longer has (a trial that is done) leaves Prometheus by itself.
+A value reaches the agent at the process's next export: a study's last counts reach it only if
+its coordinator lives one export interval past its last change (`exported_in_s`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from ray.util.metrics import Counter, Gauge
 
@@ -36,6 +39,8 @@ DESCRIPTIONS = {
     "trial_checkpoint_s": "a running trial's last checkpoint time (s)",
     TRIAL_EXPOSED: "a running trial's exposed input fraction (when reported)",
 }
+EXPORT_MARGIN_S = 0.5
+"""Past one export interval after a change: the export has surely happened."""
 STUDY_SERIES = tuple(n for n in DESCRIPTIONS if n not in ROUND_SERIES + TRIAL_SERIES + (TRIAL_EXPOSED,))
 
 
@@ -45,6 +50,7 @@ class StudyMetrics:
         self.values = LiveMetrics(mode)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._changed = time.monotonic()
         keys = {
             **{n: ("study",) for n in STUDY_SERIES},
             **{n: ("study", "round") for n in ROUND_SERIES},
@@ -59,24 +65,22 @@ class StudyMetrics:
 
     def on_rows(self, rows: list[dict]) -> None:
         """Trial counts by status, from the trial table."""
-        with self._lock:
-            self.values.on_rows(rows)
-        self.publish()
+        self._change(self.values.on_rows, rows)
 
     def on_trial_started(self, trial: dict) -> None:
-        with self._lock:
-            self.values.on_started(trial)
-        self.publish()
+        self._change(self.values.on_started, trial)
 
     def on_report(self, trial: dict, result: dict, metric: str) -> None:
         self.reports.inc(1, tags=self.tags)
-        with self._lock:
-            self.values.on_report(trial, result, metric)
-        self.publish()
+        self._change(self.values.on_report, trial, result, metric)
 
     def on_trial_done(self, trial_name: str) -> None:
+        self._change(self.values.on_done, trial_name)
+
+    def _change(self, update, *args) -> None:
         with self._lock:
-            self.values.on_done(trial_name)
+            update(*args)
+            self._changed = time.monotonic()
         self.publish()
 
     def publish(self) -> None:
@@ -90,6 +94,11 @@ class StudyMetrics:
             for trial, (rnd, series) in self.values.trial_series().items():
                 for name, value in series.items():
                     self.gauges[name].set(value, tags={**self.tags, "round": rnd, "trial": trial})
+
+    def exported_in_s(self) -> float:
+        """Seconds until Ray has surely exported the latest change of a series."""
+        due = self._changed + ray_private.metrics_export_interval_s() + EXPORT_MARGIN_S
+        return max(0.0, due - time.monotonic())
 
     def start_republishing(self, interval_s: float | None = None) -> None:
         """A daemon thread that republishes the series until `stop` (or the process ends),
