@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -150,7 +151,7 @@ def finish(proc, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[int | None, list
     reaper GONE_WITHIN_S after it ended, each killed by pid)."""
     try:
         rc = proc.wait(timeout=timeout_s)
-    except Exception:  # subprocess.TimeoutExpired: a hang
+    except subprocess.TimeoutExpired:  # a hang
         rc = None
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
