@@ -25,6 +25,7 @@ from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from tests.helpers import netns_cluster
+from tests.helpers.one_worker_trials import logged_steps, wait_for
 from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
@@ -91,21 +92,6 @@ def reference_run(raw: dict, tmp_path) -> tuple[TrialPlan, dict[int, str]]:
 
     folders = run_gloo(reference_rank, 2, tmp_path, raw, str(tmp_path))[0]
     return plan_of(raw), {checkpoint.step_of(d): d for d in folders}
-
-
-def wait_for(what: str, condition, timeout_s: float, every_s: float = 0.2):
-    """Poll `condition()` until it returns something truthy; that value. Fails after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(every_s)
-    return value
-
-
-def logged_steps(plan: TrialPlan) -> list[int]:
-    with contextlib.suppress(FileNotFoundError, ValueError):
-        return [r["step"] for r in read_log(plan)]
-    return []
 
 
 def registered_steps(plan: TrialPlan) -> list[int]:
