@@ -274,6 +274,9 @@ class Draw:
     """... this long after it came up (the next one of the class, if it is gone by then)."""
     moment_s: float
     """When that was in the reference run."""
+    anchor_s: float
+    """When the run's pace is taken: the reference's moment the killed process came up (the
+    command's: its coordinator); the delay is scaled by how much later or sooner the run got there."""
 
     @property
     def moment(self) -> str:
@@ -296,7 +299,8 @@ def draw(seed: int, references: dict[str, Reference], only: str | None = None) -
     while at >= spans[nth] and nth < len(spans) - 1:
         at, nth = at - spans[nth], nth + 1
     delay = round(min(at, spans[nth]) * LATEST, 1)
-    return Draw(seed, cls, study, nth, delay, round(lives[nth][0] + delay, 1))
+    anchor = references[study].lives["coordinator"][0][0] if cls == "driver" else lives[nth][0]
+    return Draw(seed, cls, study, nth, delay, round(lives[nth][0] + delay, 1), anchor)
 
 
 def draw_study(seed: int, only: str | None = None) -> str:
@@ -368,15 +372,17 @@ def chaos_run(d: Draw, digits_dir: str, folder: str, reference: Reference) -> Ou
 def kill_at(proc, d: Draw, t0: float) -> str:
     """SIGKILL the `d.nth` process of class `d.cls` to come up, `d.delay_s` after it came up
     (or, gone by then, the next one of the class alive); what was killed, or why nothing was."""
-    seen: list[int] = []
+    seen: dict[str, dict[int, float]] = {d.cls: {}, "coordinator": {}}  # pid -> when it came up
     due = None
     while proc.poll() is None:
-        alive = processes(proc.pid)[d.cls]
-        seen += [pid for pid in alive if pid not in seen]
-        if due is None and len(seen) > d.nth:
-            due = time.time() + d.delay_s
-        later = [pid for pid in seen[d.nth :] if pid in alive]
-        if due is not None and time.time() >= due and later:
+        now, found = time.time() - t0, processes(proc.pid)
+        for cls, came_up in seen.items():
+            for pid in found[cls]:
+                came_up.setdefault(pid, now)
+        due = due if due is not None else _due(d, seen)
+        alive = found[d.cls]
+        later = [pid for pid in list(seen[d.cls])[d.nth :] if pid in alive]
+        if due is not None and time.time() - t0 >= due and later:
             pid = later[0]
             title = {"driver": "playbook run", "input_worker": "input worker"}.get(d.cls)
             title = title or titles(proc.pid).get(pid, "?").split(" ")[0]
@@ -387,6 +393,23 @@ def kill_at(proc, d: Draw, t0: float) -> str:
             return f"pid {pid} ({title}) at {time.time() - t0:.1f} s"
         time.sleep(POLL_S)
     return f"nothing: the command ended (exit {proc.returncode}) before {d.moment}"
+
+
+def _due(d: Draw, seen: dict[str, dict[int, float]]) -> float | None:
+    """When (seconds after the start) to kill, once the run has reached the draw's anchor: the
+    delay scaled by the run's pace against the reference's (within a factor of 4 either way)."""
+    if d.cls == "driver":
+        if d.delay_s <= d.anchor_s:  # while Ray starts: no pace to take yet
+            return d.delay_s
+        anchor = next(iter(seen["coordinator"].values()), None)
+        came_up = 0.0
+    else:
+        times = list(seen[d.cls].values())
+        anchor = came_up = times[d.nth] if len(times) > d.nth else None
+    if anchor is None:
+        return None
+    pace = min(max(anchor / d.anchor_s, 0.25), 4.0) if d.anchor_s >= 1 else 1.0
+    return came_up + d.delay_s * pace
 
 
 # -- the command -----------------------------------------------------------------------------
