@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 
 class PlaybookError(Exception):
@@ -44,7 +45,7 @@ def storage_full(uri: str, error: BaseException) -> StorageFull | None:
     if isinstance(cause, OSError) and cause.errno in FULL_ERRNOS:
         if isinstance(error, StorageError):
             return StorageFull(str(error))
-        return StorageFull(f"{uri}: cannot write ({cause.strerror or cause})")
+        return StorageFull(f"{uri}: cannot write ({os.strerror(cause.errno)})")
     return None
 
 

@@ -16,7 +16,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig
 
 from service.analysis.input_bound import trial_input_row
 from service.core import storage
-from service.core.errors import CheckpointError, DataError, StorageError, StorageFull, storage_full
+from service.core.errors import CheckpointError, DataError, StorageError, StorageFull
 from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.distributed import checkpoint, fence
@@ -25,7 +25,7 @@ from service.distributed.checkpoint_store import AsyncCheckpointer, SyncCheckpoi
 from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
-from service.orchestration.ray_private import data_error_of, trainer_class
+from service.orchestration.ray_private import final_error_of, trainer_class
 from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
 from service.orchestration.worker_console import (
     log_known_warnings,
@@ -225,17 +225,11 @@ def tune_trial(config: dict, study: Study) -> None:
     try:
         summary = train_trial(plan)
     except Exception as e:
-        error = final_error_of(plan, e)
+        error = final_error_of(e, plan.trial_uri)
         if error is None:
             raise  # Tune retries it (TuneRun's FailureConfig)
         summary = failed_summary(plan, error)
     ray.tune.report({**summary, "summary": True})
-
-
-def final_error_of(plan: TrialPlan, error: BaseException) -> DataError | StorageFull | None:
-    """The error behind a trial's failure that the same trial would meet again on every try:
-    bad data, or storage that is full (which also stops the study: `StorageFull`)."""
-    return data_error_of(error) or storage_full(plan.trial_uri, error)
 
 
 def train_trial(plan: TrialPlan) -> dict:
@@ -262,6 +256,8 @@ def failed_summary(plan: TrialPlan, error: DataError | StorageFull) -> dict:
     that raises): the summary of a failed trial, with the error's message, also kept as the
     trial's error.txt where storage takes it (a full disk may not)."""
     message = str(error)
+    if isinstance(error, StorageFull):
+        remove_uncommitted_checkpoints(plan)
     try:
         storage.write_bytes_atomic(plan.layout.error_file, (message + "\n").encode())
     except StorageError:
@@ -324,6 +320,26 @@ def prune_unregistered(plan: TrialPlan, result) -> list[str]:
         name = e["name"].rstrip("/")
         if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX):
             if name.lstrip("/") not in {k.lstrip("/") for k in kept}:
+                fs.rm(name, recursive=True)
+                removed.append(name)
+    return removed
+
+
+def remove_uncommitted_checkpoints(plan: TrialPlan) -> list[str]:
+    """Remove the trial's checkpoint folders that are not whole: what a copy to storage cut off
+    by a full disk left (never selectable, and holding the bytes the study's own records need;
+    Ray Train copies the manifest first, so it may be there).
+    Only once the trial is over: no copy is under way. Returns the removed paths."""
+    fs, trial_path = storage.split(plan.trial_uri)
+    try:
+        entries = fs.ls(trial_path, detail=True)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for e in entries:
+        name = e["name"].rstrip("/")
+        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX):
+            if not is_committed(storage.join(plan.trial_uri, name.rsplit("/", 1)[-1])):
                 fs.rm(name, recursive=True)
                 removed.append(name)
     return removed

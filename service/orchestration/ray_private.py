@@ -9,7 +9,7 @@ from ray._private.state import state
 from ray.core.generated.gcs_pb2 import PlacementGroupTableData
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from service.core.errors import DataError
+from service.core.errors import DataError, StorageFull, storage_full
 
 
 def cluster_config() -> dict | None:
@@ -18,15 +18,19 @@ def cluster_config() -> dict | None:
     return state.get_cluster_config()
 
 
-def data_error_of(error: BaseException) -> DataError | None:
-    """The DataError behind a trial's failure: raised in this process (the fast path), or by a
-    Ray Train worker (wrapped in a WorkerGroupError, each worker's error with its traceback)."""
-    if isinstance(error, DataError):
-        return error
-    for failure in getattr(error, "worker_failures", {}).values():
-        cause = getattr(failure, "_base_exc", failure)
+def final_error_of(error: BaseException, uri: str) -> DataError | StorageFull | None:
+    """The error behind a trial's failure that every try would meet again: bad data, or full
+    storage (named by `uri` where the error names no file); raised in this process (the fast
+    path), or by a Ray Train worker (wrapped in a WorkerGroupError, each worker's error with its
+    traceback; a checkpoint Ray Train's report could not copy to storage among them), or by
+    Ray Train's controller (a ControllerError)."""
+    causes = [error, *(getattr(f, "_base_exc", f) for f in getattr(error, "worker_failures", {}).values())]
+    causes.append(getattr(error, "controller_failure", None))  # Ray Train's own writes (its snapshot)
+    for cause in causes:
         if isinstance(cause, DataError):
             return cause
+        if full := storage_full(uri, cause):
+            return full
     return None
 
 
@@ -42,7 +46,7 @@ def trainer_class():
 
     class DataErrorsAreFinal(DefaultFailurePolicy):
         def make_decision(self, training_failed_error) -> FailureDecision:
-            if data_error_of(training_failed_error) is not None:
+            if final_error_of(training_failed_error, "") is not None:
                 return FailureDecision.RAISE
             return super().make_decision(training_failed_error)
 
