@@ -16,7 +16,8 @@ tensor). After each command no process of its session nor its reaper may be left
 
 `python -m tests.helpers.chaos --runs N [--seed S] [--only CLASS] [--no-doc]`: run i uses seed
 S + i, so `--seed S+i --runs 1` replays it. Without `--only` and `--no-doc` the figure and the
-table of runs are written into docs/reliability.md (the generated block between the markers)."""
+table of runs are written into docs/reliability.md (the generated block between the markers),
+after every run, so that an interrupted `make chaos` leaves the figure of the runs it did."""
 
 from __future__ import annotations
 
@@ -415,11 +416,12 @@ def _due(d: Draw, seen: dict[str, dict[int, float]]) -> float | None:
 # -- the command -----------------------------------------------------------------------------
 
 
-def summary_lines(outcomes: list[Outcome], started: str, duration_s: float) -> list[str]:
+def summary_lines(outcomes: list[Outcome], started: str, duration_s: float, planned: int) -> list[str]:
     equal = sum(o.equal for o in outcomes)
     healing = [o for o in outcomes if o.draw.cls in SELF_HEALING]
+    so_far = "" if len(outcomes) == planned else f" (so far: {len(outcomes)} of {planned} runs)"
     lines = [
-        f"Chaos runs: {equal}/{len(outcomes)} equal to the uninterrupted reference "
+        f"Chaos runs: {equal}/{len(outcomes)} equal to the uninterrupted reference{so_far} "
         f"(`make chaos`, {started}, {duration_s / 60:.0f} min); of the {len(healing)} runs that "
         f"killed a process the service replaces by itself, {sum(not o.reran for o in healing)} "
         "needed no rerun.",
@@ -464,16 +466,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in sorted(draws_needed):
         references[name] = run_reference(name, digits, os.path.join(work, f"reference-{name}"))
         print(f"reference {name}: {references[name].duration_s:.0f} s", flush=True)
-    outcomes = []
+    outcomes, lines = [], []
     for i in range(args.runs):
         d = draw(seed + i, references, args.only)
         o = chaos_run(d, digits, os.path.join(work, f"run-{i:02d}"), references[d.study])
         outcomes.append(o)
         print(f"run {i + 1}/{args.runs}: {o.line()}", flush=True)
-    lines = summary_lines(outcomes, started, time.time() - t0)
+        lines = summary_lines(outcomes, started, time.time() - t0, args.runs)
+        if not (args.only or args.no_doc):  # after every run: an interrupted one leaves its figure
+            rewrite_doc(DOC, lines, BEGIN, END, fenced=False)
     print("\n".join(lines))
     if not (args.only or args.no_doc):
-        rewrite_doc(DOC, lines, BEGIN, END, fenced=False)
         print(f"wrote the chaos block of {os.path.relpath(DOC)}")
     if all(o.equal for o in outcomes):
         shutil.rmtree(work, ignore_errors=True)
