@@ -9,10 +9,7 @@ arrive in order and the trial table holds every one of them when the run returns
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import threading
 
 import ray
 from ray import tune
@@ -20,7 +17,6 @@ from ray.tune.logger import JsonLoggerCallback
 
 from service.core import storage
 from service.core.trial_status import TrialStatus
-from service.orchestration.ray_private import remove_orphaned_placement_groups
 from service.orchestration.worker_console import quiet_tune
 from service.study.layout import StudyLayout
 from service.study.search import Round
@@ -166,8 +162,7 @@ class TuneRun:
 
     def _fit(self, study: Study, name: str, coordinator, tune_config, param_space: dict) -> None:
         fs, tune_path = storage.ray_storage(study.layout.tune_dir)
-        with sweeping_orphaned_placement_groups():
-            self._tuner(study, name, coordinator, tune_config, param_space, fs, tune_path).fit()
+        self._tuner(study, name, coordinator, tune_config, param_space, fs, tune_path).fit()
 
     def _tuner(self, study: Study, name: str, coordinator, tune_config, param_space: dict, fs, tune_path):
         return tune.Tuner(
@@ -188,33 +183,3 @@ class TuneRun:
                 ],
             ),
         )
-
-
-ORPHAN_SWEEP_S = 5.0
-
-
-@contextlib.contextmanager
-def sweeping_orphaned_placement_groups(every_s: float = ORPHAN_SWEEP_S):
-    """While open, every `every_s` remove the placement groups whose creator actor is dead. A
-    Ray Train controller that dies while it starts its worker group (its trial's process
-    SIGKILLed) leaves that group holding its CPUs: Ray keeps a group while its job lives, and
-    Ray Train's PlacementGroupCleaner learns of a group only once its workers are up. The
-    restarted trial's controller then waited for those CPUs forever (found by a chaos run)."""
-    stop = threading.Event()
-
-    def sweep() -> None:
-        while True:
-            try:
-                remove_orphaned_placement_groups()
-            except Exception:  # noqa: BLE001 - the next sweep tries again
-                logging.getLogger(__name__).debug("sweeping orphaned placement groups failed", exc_info=True)
-            if stop.wait(every_s):
-                return
-
-    thread = threading.Thread(target=sweep, name="orphaned-placement-groups", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
