@@ -310,19 +310,8 @@ def prune_unregistered(plan: TrialPlan, result) -> list[str]:
     kept = {c.path.rstrip("/") for c, _ in result.best_checkpoints}
     if result.checkpoint is not None:  # the latest, kept besides the N best (for resuming)
         kept.add(result.checkpoint.path.rstrip("/"))
-    fs, trial_path = storage.split(plan.trial_uri)
-    try:
-        entries = fs.ls(trial_path, detail=True)
-    except FileNotFoundError:
-        return []
-    removed = []
-    for e in entries:
-        name = e["name"].rstrip("/")
-        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX):
-            if name.lstrip("/") not in {k.lstrip("/") for k in kept}:
-                fs.rm(name, recursive=True)
-                removed.append(name)
-    return removed
+    kept = {k.lstrip("/") for k in kept}
+    return _remove_checkpoint_folders(plan, lambda path, _name: path.lstrip("/") not in kept)
 
 
 def remove_uncommitted_checkpoints(plan: TrialPlan) -> list[str]:
@@ -330,6 +319,14 @@ def remove_uncommitted_checkpoints(plan: TrialPlan) -> list[str]:
     by a full disk left (never selectable, and holding the bytes the study's own records need;
     Ray Train copies the manifest first, so it may be there).
     Only once the trial is over: no copy is under way. Returns the removed paths."""
+    return _remove_checkpoint_folders(
+        plan, lambda _path, name: not is_committed(storage.join(plan.trial_uri, name))
+    )
+
+
+def _remove_checkpoint_folders(plan: TrialPlan, chosen) -> list[str]:
+    """Remove the trial's checkpoint folders for which `chosen(path, name)` is true (`path` as
+    the trial's file system lists it); the removed paths."""
     fs, trial_path = storage.split(plan.trial_uri)
     try:
         entries = fs.ls(trial_path, detail=True)
@@ -337,11 +334,11 @@ def remove_uncommitted_checkpoints(plan: TrialPlan) -> list[str]:
         return []
     removed = []
     for e in entries:
-        name = e["name"].rstrip("/")
-        if e["type"] == "directory" and name.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX):
-            if not is_committed(storage.join(plan.trial_uri, name.rsplit("/", 1)[-1])):
-                fs.rm(name, recursive=True)
-                removed.append(name)
+        path = e["name"].rstrip("/")
+        name = path.rsplit("/", 1)[-1]
+        if e["type"] == "directory" and name.startswith(CHECKPOINT_PREFIX) and chosen(path, name):
+            fs.rm(path, recursive=True)
+            removed.append(path)
     return removed
 
 
