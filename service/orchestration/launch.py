@@ -10,7 +10,6 @@ import json
 import pyarrow.fs as pafs
 import ray
 import ray.train
-import ray.tune
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
@@ -25,7 +24,7 @@ from service.distributed.checkpoint_store import AsyncCheckpointer, SyncCheckpoi
 from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
-from service.orchestration.ray_private import final_error_of, trainer_class
+from service.orchestration.ray_private import final_error_of, report_to_tune, trainer_class
 from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
 from service.orchestration.worker_console import (
     log_known_warnings,
@@ -229,7 +228,7 @@ def tune_trial(config: dict, study: Study) -> None:
         if error is None:
             raise  # Tune retries it (TuneRun's FailureConfig)
         summary = failed_summary(plan, error)
-    ray.tune.report({**summary, "summary": True})
+    report_to_tune({**summary, "summary": True})
 
 
 def train_trial(plan: TrialPlan) -> dict:

@@ -4,7 +4,10 @@ Each is here because no public API does the job; a Ray upgrade is checked agains
 
 from __future__ import annotations
 
+import time
+
 import ray
+import ray.tune
 from ray._private.state import state
 from ray.core.generated.gcs_pb2 import PlacementGroupTableData
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -58,6 +61,29 @@ def trainer_class():
     return Trainer
 
 
+def report_to_tune(metrics: dict) -> None:
+    """`ray.tune.report` from a trial function's own thread, after what its Ray Train
+    controller reported has reached Tune. The controller reports through an inter-actor queue
+    that the trial process's main thread takes from and puts on a one-slot result queue; a
+    report from the function's thread (this one, or the one Tune adds when the function returns)
+    could take that slot in between, and the main thread, the slot's only reader, then waited on
+    it forever (`_TrainSession._get_result_from_queues`): a trial whose controller had exited
+    hung until its job ended, about one two-worker trial in five on two busy CPUs. An empty item
+    put behind the controller's last one, which that loop takes and skips, is gone only once
+    the loop is done with the item before it."""
+    from ray.train._internal.session import get_session
+
+    queue = getattr(get_session(), "_inter_actor_queue", None)
+    if queue is not None:
+        queue.put({})
+        while not queue.empty():
+            time.sleep(REPORT_POLL_S)
+    ray.tune.report(metrics)
+
+
+REPORT_POLL_S = 0.05
+
+
 def remove_placement_groups_of(actor) -> int:
     """Remove the placement groups that an actor (its handle) created and that are still there. In Ray 2.60
     a placement group made by a non-detached actor lasts until its creator actor *and* its job
@@ -68,9 +94,21 @@ def remove_placement_groups_of(actor) -> int:
 
 
 def remove_orphaned_placement_groups() -> int:
-    """Remove every placement group whose creator actor is dead (what a killed coordinator's
-    TuneRun leaves to a driver that lives on, a test session's)."""
-    return _remove_placement_groups(lambda pg: pg.creator_actor_dead and not pg.is_detached)
+    """Remove this job's placement groups whose creator actor is dead: a Ray Train controller
+    killed while it starts its worker group leaves one (Ray keeps a group until its creator actor
+    *and* its job are dead; Ray Train's own cleaner learns of a group only once its workers are
+    up), and so does a killed TuneRun. Groups that no actor made (a driver's or a task's: Ray
+    counts their creator as dead from the start) and other jobs' groups are left alone."""
+    job = ray.get_runtime_context().get_job_id()
+    no_actor = ray.ActorID.nil().binary()
+    return _remove_placement_groups(
+        lambda pg: (
+            pg.creator_actor_dead
+            and pg.creator_actor_id != no_actor
+            and pg.creator_job_id.hex() == job
+            and not pg.is_detached
+        )
+    )
 
 
 def _remove_placement_groups(chosen) -> int:

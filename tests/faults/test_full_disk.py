@@ -105,17 +105,8 @@ def test_a_save_that_meets_a_full_disk_leaves_nothing_and_names_the_checkpoint(t
         assert store.latest_state().step == 10
 
 
-RAY_TRAIN_RACE = pytest.mark.xfail(
-    strict=False,
-    reason="one run in five under load failed (not captured); suspected: the coordinator's trial "
-    "table write meets the disk before the trial function removes Ray Train's torn copy",
-)
-
-
 @pytest.mark.ray
-@pytest.mark.parametrize(
-    "workers", [1, pytest.param(2, marks=RAY_TRAIN_RACE)], ids=["fast-path", "ray-train"]
-)
+@pytest.mark.parametrize("workers", [1, 2], ids=["fast-path", "ray-train"])
 def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(
     ray_cluster, digits_dir, tmp_path, workers
 ):
