@@ -17,7 +17,7 @@ from service.analysis.report_lines import log_lines, round_verdicts
 from service.core import storage
 from service.core.errors import PlaybookError, StorageFull, StudyInterrupted
 from service.core.trial_status import DONE, TrialStatus
-from service.orchestration.ray_private import remove_placement_groups_of
+from service.orchestration.ray_private import remove_orphaned_placement_groups, remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
 from service.orchestration.tune_run import TuneRun
 from service.planning import bayesian
@@ -44,6 +44,8 @@ TUNE_RUN_SLOT_TRIALS = 32
 CONSOLE_POLL_S = 0.5
 # A Tune run whose TuneRun process died is started again (for its trials not done) this often.
 MAX_TUNE_RUN_RESTARTS = 2
+ORPHAN_SWEEP_S = 5.0
+"""How often a running round removes the placement groups that dead actors of this job hold."""
 
 
 def actor_name(study_name: str) -> str:
@@ -188,7 +190,9 @@ class Coordinator:
         self.spare_runner = None if last else tune_runner()
         me = ray.get_runtime_context().current_actor
         try:
-            ray.get(runner.fit_bayesian.remote(self.study, rnd, self._planning_rows(rnd), todo, first, me))
+            _await_sweeping(
+                runner.fit_bayesian.remote(self.study, rnd, self._planning_rows(rnd), todo, first, me)
+            )
         finally:
             ray.kill(runner)
             remove_placement_groups_of(runner)
@@ -214,7 +218,7 @@ class Coordinator:
         try:
             while True:
                 try:
-                    ray.get(runner.fit.remote(self.study, name, configs, concurrency, me))
+                    _await_sweeping(runner.fit.remote(self.study, name, configs, concurrency, me))
                     return
                 except ray.exceptions.RayActorError as e:
                     restarts += 1
@@ -293,6 +297,16 @@ def on_this_node() -> NodeAffinitySchedulingStrategy:
     on the driver's (the head, for `ray job submit`), its Tune runs on the coordinator's. Left to
     Ray, they could land on any worker host, and losing that host would end the study."""
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _await_sweeping(run: ray.ObjectRef):
+    """What a TuneRun's fit returns, removing what dead actors of this job hold meanwhile: a
+    trial's process killed while its Ray Train controller starts the worker group leaves that
+    group's CPUs held, and the restarted trial would wait for them forever (found by
+    `make chaos`). Done here, not in the TuneRun's process beside Tune's loop."""
+    while not ray.wait([run], timeout=ORPHAN_SWEEP_S)[0]:
+        remove_orphaned_placement_groups()
+    return ray.get(run)
 
 
 def tune_runner():
