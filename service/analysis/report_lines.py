@@ -3,7 +3,7 @@ after each round and saves to `<study>/verdicts.json`)."""
 
 from __future__ import annotations
 
-from service.analysis import curves
+from service.analysis import curve_summary
 from service.analysis.input_bound import row_verdicts
 from service.analysis.round_checks import verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
@@ -36,12 +36,12 @@ def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
 
 
 def curve_verdicts(study: Study, rows: list[dict]) -> list[Verdict]:
-    """`curves.round_verdicts` of these trial rows, their histories read from storage."""
+    """`curve_summary.round_verdicts` of these trial rows, their histories read from storage."""
     histories = {
         r["trial_name"]: metrics_log.read(study.layout.trial(r["trial_name"]).metrics_log) for r in rows
     }
     tr = study.training
-    return curves.round_verdicts(rows, histories, tr.metric, tr.mode, study.curves)
+    return curve_summary.round_verdicts(rows, histories, tr.metric, tr.mode, study.curves)
 
 
 def repeats_sentence(rows: list[dict], metric: str, mode: str) -> str:

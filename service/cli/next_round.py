@@ -50,7 +50,7 @@ def round_findings(study: Study, round_name: str, rows: list[dict]) -> list:
     """The round's verdicts as values with their data: those of `verdicts_for_round`, its
     training curves' (read from the trials' metrics logs) and each trial's input-bound verdict
     computed again from its log (the trial row keeps its message, not its cause)."""
-    from service.analysis import curves
+    from service.analysis import curve_summary
     from service.analysis.input_bound import trial_input_verdict
     from service.analysis.round_checks import verdicts_for_round
     from service.trainer import metrics_log
@@ -59,7 +59,7 @@ def round_findings(study: Study, round_name: str, rows: list[dict]) -> list:
     logs = {r["trial_name"]: metrics_log.read(study.layout.trial(r["trial_name"]).metrics_log) for r in mine}
     tr = study.training
     verdicts = verdicts_for_round(study, round_name, rows)
-    verdicts += curves.round_verdicts(mine, logs, tr.metric, tr.mode, study.curves)
+    verdicts += curve_summary.round_verdicts(mine, logs, tr.metric, tr.mode, study.curves)
     found = (trial_input_verdict(r["trial_name"], logs[r["trial_name"]], study) for r in mine)
     return verdicts + [v for v in found if v is not None]
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from service.analysis import curves
+from service.analysis import curve_summary, curves
 from service.analysis.report_lines import round_verdicts
 from service.analysis.verdicts import best_step_position
 from service.core.errors import SpecError
@@ -180,7 +180,7 @@ def test_a_round_whose_best_checkpoint_is_last_is_not_said_to_have_no_late_impro
     r = row("explore-0004", total=300, best_step=270, best_metric=0.0148)
     h = {"explore-0004": history(DEMO_BEST, DEMO_TRAIN, steps=steps, key="validation/error")}
     assert best_step_position("explore-0004", 270, 300).message.endswith("train longer and retune the decay.")
-    (v,) = curves.round_verdicts([r], h, "validation/error", "min", TH)
+    (v,) = curve_summary.round_verdicts([r], h, "validation/error", "min", TH)
     assert (v.kind, v.severity, v.facts["late_best"]) == ("training_curves", "ok", ("explore-0004",))
     assert "late improvement" not in v.message
     assert v.message.endswith(
@@ -190,7 +190,7 @@ def test_a_round_whose_best_checkpoint_is_last_is_not_said_to_have_no_late_impro
     )
     # best 0.2 at step 70 of 100 (not in the last 25%), then within 1.25% of the improvement 0.8
     middle = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.21, 0.205, 0.21]
-    (v,) = curves.round_verdicts(
+    (v,) = curve_summary.round_verdicts(
         [row(best_metric=0.2)], {"t-0": history(middle, FALLING)}, "validation/loss", "min", TH
     )
     assert v.facts["late_best"] == () and "show no overfitting, late noise, late improvement," in v.message
@@ -255,7 +255,7 @@ def test_an_unclipped_trial_gets_a_suggested_threshold_and_the_round_its_best():
     assert not v.is_warning and "trains without gradient clipping" in v.message and "9.1" in v.message
     clipped = verdicts(h, row(**{"hp/grad_clip_norm": 5.0}))["clipping"]
     assert clipped.facts["grad_clip_norm"] == 5.0 and "0% of its updates were clipped" in clipped.message
-    out = curves.round_verdicts([row(best_metric=0.5)], {"t-0": h}, "validation/loss", "min", TH)
+    out = curve_summary.round_verdicts([row(best_metric=0.5)], {"t-0": h}, "validation/loss", "min", TH)
     (tip,) = [x for x in out if x.kind == "clip_threshold"]
     assert tip.facts == {"trial_name": "t-0", "suggested_clip": pytest.approx(9.1)}
 
@@ -278,7 +278,7 @@ def test_round_verdicts_name_the_trials_and_the_best_one():
         "r-2": history(LINEAR, FALLING),
     }
     hist["r-1"] = [{**h, "validation/loss": m} for h, m in zip(hist["r-1"], LINEAR, strict=True)]
-    out = {v.kind: v for v in curves.round_verdicts(rows, hist, "validation/loss", "min", TH)}
+    out = {v.kind: v for v in curve_summary.round_verdicts(rows, hist, "validation/loss", "min", TH)}
     assert set(out) == {"overfitting", "still_improving", "clip_threshold"}
     assert out["overfitting"].facts["trials"] == ("r-0",)
     # ranked by best metric: r-1 (0.19) first, then r-2
@@ -288,7 +288,7 @@ def test_round_verdicts_name_the_trials_and_the_best_one():
     for v in out.values():  # the log line and the report show the kind beside the message: once
         assert v.message.lower().count(v.kind.replace("_", " ")) <= 1, v.message
     assert out["clip_threshold"].facts == {"trial_name": "r-1", "suggested_clip": pytest.approx(9.1)}
-    clean = curves.round_verdicts(
+    clean = curve_summary.round_verdicts(
         rows[2:3], {"r-2": history(FALLING[:5] + [0.3] * 5, FALLING)}, "validation/loss", "min", TH
     )
     assert [(v.kind, v.severity) for v in clean] == [("training_curves", "ok")]
@@ -298,8 +298,8 @@ def test_a_round_counts_only_trials_with_curves():
     """A FINISHED trial without a metrics log says nothing (not "no overfitting"); a DIVERGED
     one is judged on its row's divergence step."""
     rows = [row("n-0", best_metric=0.2), row("n-1", status="DIVERGED", total=1000, diverged_at_step=100)]
-    assert curves.round_verdicts(rows[:1], {}, "validation/loss", "min", TH) == []
-    (v,) = curves.round_verdicts(rows, {}, "validation/loss", "min", TH)
+    assert curve_summary.round_verdicts(rows[:1], {}, "validation/loss", "min", TH) == []
+    (v,) = curve_summary.round_verdicts(rows, {}, "validation/loss", "min", TH)
     assert (v.kind, v.facts["trials"], v.facts["num_trials"]) == ("early_instability", ("n-1",), 1)
 
 

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from service.analysis import curves
+from service.analysis import curve_summary
 from service.analysis.input_bound import InputTotals, input_bound
 from service.analysis.next_round import as_yaml, propose
 from service.analysis.round_checks import verdicts_for_round
@@ -181,7 +181,7 @@ def clipped_history(fraction: float) -> list[dict]:
 def test_most_updates_clipped_sets_grad_clip_norm_to_the_suggestion():
     study = study_of()
     rows = [row(0, 0.1, **{"hp/grad_clip_norm": 1.0})]
-    found = curves.round_verdicts(
+    found = curve_summary.round_verdicts(
         rows, {"explore-0000": clipped_history(0.8)}, "validation/error", "min", Curves()
     )
     assert {"clipping", "clip_threshold"} <= {v.kind for v in found}
@@ -190,7 +190,7 @@ def test_most_updates_clipped_sets_grad_clip_norm_to_the_suggestion():
     assert clip.key == "grad_clip_norm" and clip.value == HParam(role="fixed", value=9.1)
     assert "most updates of explore-0000 clipped" in clip.why
     # half or fewer clipped: the suggestion alone is not acted on
-    calm = curves.round_verdicts(
+    calm = curve_summary.round_verdicts(
         rows, {"explore-0000": clipped_history(0.5)}, "validation/error", "min", Curves()
     )
     assert propose(study, "explore", rows, of_kind(calm, "clipping", "clip_threshold")).empty
@@ -201,7 +201,7 @@ def test_early_instability_without_clipping_adds_grad_clip_norm():
     h = clipped_history(0.0)
     h[1]["train/loss"] = 5.0  # step 200 of 1000 (in the first 20%): 5.0 against 1.0 at step 100
     rows = [row(0, 0.1)]
-    found = curves.round_verdicts(rows, {"explore-0000": h}, "validation/error", "min", Curves())
+    found = curve_summary.round_verdicts(rows, {"explore-0000": h}, "validation/error", "min", Curves())
     p = propose(study, "explore", rows, of_kind(found, "early_instability", "clip_threshold"))
     (clip,) = p.search
     assert clip.value.value == 9.1 and clip.why.startswith("early_instability in explore-0000")
@@ -429,7 +429,7 @@ def test_an_extend_round_late_and_mostly_clipped_is_extended_with_grad_clip_norm
     )
     rows = [row(0, 0.1, best_step=1900, rnd="long", max_train_steps=2000, **{"hp/grad_clip_norm": 1.0})]
     found = verdicts_for_round(study, "long", rows)
-    found += curves.round_verdicts(
+    found += curve_summary.round_verdicts(
         rows, {"long-0000": clipped_history(0.8)}, "validation/error", "min", Curves()
     )
     p = propose(study, "long", rows, found)
