@@ -31,6 +31,12 @@ class StorageFull(StorageError):
 
     exit_code = 1
 
+    ADVICE = "free space and run the same command again: it resumes from the last committed checkpoints"
+
+    def advised(self) -> StorageFull:
+        """This error with what to do about it, said once."""
+        return self if self.ADVICE in str(self) else StorageFull(f"{self}; {self.ADVICE}")
+
 
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 

@@ -20,7 +20,7 @@ import fsspec
 import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
 
-from service.core.errors import StorageError
+from service.core.errors import StorageError, storage_full
 
 
 def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -134,13 +134,14 @@ def with_retries(fn: Callable[[], T], attempts: int = 5, first_delay_s: float = 
 
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write a whole file so that readers see the old or the new content, never a torn one.
-    Transient storage errors are retried (`with_retries`); the whole write is redone each time."""
+    Transient storage errors are retried (`with_retries`); the whole write is redone each time.
+    A full disk raises StorageFull."""
     audit(uri)
     fs, path = split(uri)
     try:
         with_retries(lambda: _write_once(fs, path, data))
     except storage_errors() as e:
-        raise StorageError(f"{uri}: cannot write ({describe(e)})") from None
+        raise storage_full(uri, e) or StorageError(f"{uri}: cannot write ({describe(e)})") from None
 
 
 COMPOSE_MIN_BYTES = 256 * 1024

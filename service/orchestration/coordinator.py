@@ -90,6 +90,8 @@ class Coordinator:
         self.spare_runner = tune_runner()
         try:
             return self._run()
+        except StorageFull as e:  # the trial table's or the study's own files
+            raise e.advised() from None
         finally:
             if self.spare_runner is not None:
                 ray.kill(self.spare_runner)
@@ -251,10 +253,7 @@ class Coordinator:
             )
         if kind == "stopped":  # its storage is full (`launch.final_error_of`)
             kind, error = "error", args[0]
-            self.storage_full = StorageFull(
-                f"trial {trial['trial_name']}: {error}; free space and run the same command again: "
-                "it resumes from the last committed checkpoints"
-            )
+            self.storage_full = StorageFull(f"trial {trial['trial_name']}: {error}").advised()
         getattr(self.events, kind)(trial, *args)
 
     def console_lines(self, since: int) -> tuple[int, list[str], dict[str, dict]]:

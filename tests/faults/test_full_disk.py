@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -23,7 +24,8 @@ from service.distributed import checkpoint
 from service.distributed.checkpoint_store import CheckpointStore
 from service.study import spec
 from service.study.layout import CHECKPOINT_PREFIX
-from tests.helpers.full_disk import CHECKPOINT_MIB, fill_leaving, free_bytes, small_disk
+from service.tracking.trial_table import TrialTable, read_rows
+from tests.helpers.full_disk import CHECKPOINT_MIB, fill_leaving, fill_up, free_bytes, small_disk
 from tests.helpers.playbook_process import SERVICE_ROOT
 from tests.helpers.studies import same_nested, study_dict
 from tests.helpers.trainer_runs import without_timing
@@ -105,6 +107,27 @@ def test_a_save_that_meets_a_full_disk_leaves_nothing_and_names_the_checkpoint(t
         assert store.latest_state().step == 10
 
 
+def test_a_trial_table_write_that_meets_a_full_disk_names_the_file_and_keeps_the_last_table(tmp_path):
+    """The disk filled by something else after a trial cleaned up: the coordinator's next table
+    write fails in one line naming the file (not retried: a full disk stays full), the table on
+    storage is the last one written, nothing half-written is left beside it, and the change is
+    written by the first write after space is freed."""
+    with small_disk(tmp_path / "disk", 1) as disk:
+        table = TrialTable(os.path.join(disk, "study"), "validation/loss", "min")
+        table.update("t-0000", status="RUNNING", step=10)
+        table.save()
+        ballast = fill_leaving(disk, 0)
+        table.update("t-0000", status="FINISHED", step=20)
+        with pytest.raises(StorageFull) as e:
+            table.save()
+        assert str(e.value) == f"{table.parquet_uri}: cannot write (No space left on device)"
+        assert [(r["status"], r["step"]) for r in read_rows(table.study_uri)] == [("RUNNING", 10)]
+        assert sorted(os.listdir(table.study_uri)) == ["trials.csv", "trials.parquet"]
+        os.remove(ballast)
+        table.save()
+        assert [(r["status"], r["step"]) for r in read_rows(table.study_uri)] == [("FINISHED", 20)]
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("workers", [1, 2], ids=["fast-path", "ray-train"])
 def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(
@@ -159,3 +182,60 @@ def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(
         assert same_nested(state.model, ref.model) and same_nested(state.optimizer, ref.optimizer), step
         assert same_nested(state.rng_states, ref.rng_states), step
         assert plain(state.history) == plain(ref.history), step
+
+
+@pytest.mark.ray
+def test_a_disk_filled_while_a_trial_trains_stops_the_study_in_one_line_and_a_rerun_finishes(
+    ray_cluster, digits_dir, tmp_path
+):
+    """Something else fills the disk while a trial trains: whichever write meets it first (the
+    trial's checkpoint or logs, or the coordinator's trial table), the study stops with one line
+    naming the file and what to do, exit code 1, nothing half-written; once space is freed the
+    same command resumes the trial from a committed checkpoint and finishes it."""
+    raw = study_dict(
+        digits_dir,
+        os.path.join(tmp_path, "disk", "storage"),
+        name="filled",
+        training={"max_train_steps": 3000, "eval_every_steps": 100, "num_checkpoints_to_keep": 1},
+        rounds=[{"name": "explore", "num_trials": 1}],
+    )
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump(raw))
+    trial_dir = os.path.dirname(spec.load_dict(raw).layout.trial(TRIAL).metrics_log)
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "PYTHONPATH": SERVICE_ROOT,
+    }
+    with small_disk(tmp_path / "disk", 16) as disk:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "service", "run", str(study_file)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        while run.poll() is None and not [
+            s for s in (checkpoints(trial_dir) if os.path.isdir(trial_dir) else {}) if s >= 200
+        ]:
+            time.sleep(0.05)
+        ballast = fill_up(disk)
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 1, err
+        own = [line for line in (out + err).splitlines() if not RAY_FORWARDED.match(line)]
+        assert "Traceback" not in "\n".join(own)
+        said = re.fullmatch(
+            r"playbook: error: (trial explore-0000: )?(\S+): cannot write \(No space left on device\); "
+            r"free space and run the same command again: it resumes from the last committed checkpoints",
+            own[-1],
+        )
+        assert said and said.group(2).startswith(os.path.join(disk, "storage")), own[-1]
+        assert not [n for n in os.listdir(trial_dir) if n.startswith(".") and n != ".validate_storage_marker"]
+        os.remove(ballast)
+        rerun = playbook_run(ray_cluster, study_file)
+        assert rerun.returncode == 0, rerun.stderr
+        with open(os.path.join(trial_dir, "topology.json")) as f:
+            assert json.load(f)["ranks"][0]["resumed_from_step"] >= 200
+        (row,) = pq.read_table(spec.load_dict(raw).layout.trials_parquet).to_pylist()
+        assert (row["status"], row["step"]) == ("FINISHED", 3000)

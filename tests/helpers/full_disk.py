@@ -6,6 +6,7 @@ that meets ENOSPC (loaded as `tests.helpers.full_disk:HeavyDigits`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 
@@ -57,4 +58,18 @@ def fill_leaving(folder, free: int) -> str:
     size = free_bytes(folder) - free
     with open(path, "wb") as f:
         f.write(b"\0" * size)  # written, not truncated to size: tmpfs allocates sparse files lazily
+    return path
+
+
+def fill_up(folder) -> str:
+    """A ballast file in `folder` that takes every free byte, written until the filesystem says
+    it is full (something else may be writing to it meanwhile); its path."""
+    path = os.path.join(folder, "ballast")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
     return path

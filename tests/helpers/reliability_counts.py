@@ -46,9 +46,8 @@ FAULT_TESTS = {
     "crash while a checkpoint is written / copied": "tests/faults/test_fault_checkpoint_commit.py",
     "storage errors (transient, persistent, permission denied, gcsfs 403/5xx, GCS emulator down "
     "mid-write)": "tests/faults/test_fault_storage.py",
-    "a full disk during a checkpoint: one line, not retried, nothing half-written, the rerun resumes": (
-        "tests/faults/test_full_disk.py"
-    ),
+    "a full disk during a checkpoint, a trial table write or training: one line, not retried, nothing "
+    "half-written, the rerun resumes": ("tests/faults/test_full_disk.py"),
     "NaN loss (trainer level)": (
         "tests/multiprocess/test_trainer_loop.py::test_nan_loss_ends_trial_as_diverged"
     ),
