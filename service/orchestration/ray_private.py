@@ -1,6 +1,7 @@
 """Every use of Ray's private APIs, in one place, pinned to the Ray version in pyproject.toml.
 Each is here because no public API does the job; a Ray upgrade is checked against this module
-(and its tests: test_data_errors, test_fault_driver_kill, test_cluster_capacity)."""
+(and its tests: test_data_errors, test_fault_driver_kill, test_cluster_capacity,
+test_tune_report_order_ray, test_orphaned_groups_ray)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def trainer_class():
     return Trainer
 
 
+REPORT_POLL_S = 0.05
+
+
 def report_to_tune(metrics: dict) -> None:
     """`ray.tune.report` from a trial function's own thread, after what its Ray Train
     controller reported has reached Tune. The controller reports through an inter-actor queue
@@ -79,9 +83,6 @@ def report_to_tune(metrics: dict) -> None:
         while not queue.empty():
             time.sleep(REPORT_POLL_S)
     ray.tune.report(metrics)
-
-
-REPORT_POLL_S = 0.05
 
 
 def remove_placement_groups_of(actor) -> int:

@@ -53,16 +53,33 @@ def study_of(digits_dir, storage, workers: int) -> dict:
     )
 
 
-def playbook_run(ray_cluster, study_file) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    return subprocess.run(
+def start_playbook_run(ray_cluster, study_file) -> subprocess.Popen:
+    """`playbook run STUDY_FILE` on the shared cluster, started from the study file's folder."""
+    return subprocess.Popen(
         [sys.executable, "-m", "service", "run", str(study_file)],
         cwd=os.path.dirname(study_file),
-        env={**env, "PYTHONPATH": SERVICE_ROOT},
-        capture_output=True,
+        env={
+            **os.environ,
+            "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+            "PYTHONPATH": SERVICE_ROOT,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
+
+
+def finish(run: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = run.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        raise
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+def playbook_run(ray_cluster, study_file) -> subprocess.CompletedProcess:
+    return finish(start_playbook_run(ray_cluster, study_file))
 
 
 def checkpoints(trial_dir) -> dict[int, str]:
@@ -202,28 +219,16 @@ def test_a_disk_filled_while_a_trial_trains_stops_the_study_in_one_line_and_a_re
     study_file = tmp_path / "study.yaml"
     study_file.write_text(yaml.safe_dump(raw))
     trial_dir = os.path.dirname(spec.load_dict(raw).layout.trial(TRIAL).metrics_log)
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
-        "PYTHONPATH": SERVICE_ROOT,
-    }
     with small_disk(tmp_path / "disk", 16) as disk:
-        run = subprocess.Popen(
-            [sys.executable, "-m", "service", "run", str(study_file)],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        run = start_playbook_run(ray_cluster, study_file)
         while run.poll() is None and not [
             s for s in (checkpoints(trial_dir) if os.path.isdir(trial_dir) else {}) if s >= 200
         ]:
             time.sleep(0.05)
         ballast = fill_up(disk)
-        out, err = run.communicate(timeout=600)
-        assert run.returncode == 1, err
-        own = [line for line in (out + err).splitlines() if not RAY_FORWARDED.match(line)]
+        filled = finish(run)
+        assert filled.returncode == 1, filled.stderr
+        own = [line for line in (filled.stdout + filled.stderr).splitlines() if not RAY_FORWARDED.match(line)]
         assert "Traceback" not in "\n".join(own)
         said = re.fullmatch(
             r"playbook: error: (trial explore-0000: )?(\S+): cannot write \(No space left on device\); "
