@@ -103,6 +103,12 @@ class ShardedCheckpointStore(CheckpointStore):
             checkpoint.save(rest, folder, metrics, beside=shards)
             self.publish(state.step, folder)
 
+    def close(self) -> None:
+        """Wait for deletions, then end the store's process group (a reused pool of workers
+        trains trial after trial: a group left per trial would keep its connections)."""
+        super().close()
+        dist.destroy_process_group(self.group)
+
     def latest_state(self) -> TrialState | None:
         """The newest checkpoint that verifies on every rank (older ones are tried when the
         newest is torn), as rank 0 lists them; None before the first."""

@@ -22,6 +22,7 @@ import torch
 from service.distributed import fence
 from service.distributed.checkpoint import TrialState
 from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
+from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.trainer import loop
@@ -48,17 +49,49 @@ def trial_store(plan: TrialPlan) -> CheckpointStore:
     return CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode)
 
 
+def rank_store(plan: TrialPlan, rank: int) -> CheckpointStore:
+    """Where this rank's checkpoints go: its shards of every checkpoint under `fsdp` (every
+    rank saves), else the trial's store (rank 0 saves, every rank resumes from it)."""
+    if plan.study.scaling.strategy != "fsdp":
+        return trial_store(plan)
+    tr = plan.study.training
+    return ShardedCheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, rank)
+
+
+def train_rank(
+    plan: TrialPlan,
+    topo: Topology,
+    device: torch.device,
+    batch_source: loop.BatchSource | None,
+    report: Callable[[dict], None] | None,
+    attempt: fence.Attempt,
+) -> list[tuple[str, dict]]:
+    """Train (or resume) one rank of a trial that keeps its checkpoints itself, holding the
+    trial's `attempt` (`distributed.fence`); returns its kept checkpoints (URI, meta)."""
+    fence.hold(attempt)
+    store = rank_store(plan, topo.world_rank)
+    saver = None
+    if topo.is_rank0 or store.every_rank:
+        saver = AsyncCheckpointer(store) if plan.study.training.async_checkpoint else SyncCheckpointer(store)
+    loop.train(plan, topo, StoreReporter(store, report), device, batch_source, checkpointer=saver)
+    return store.complete()
+
+
+def trial_device(scaling) -> torch.device:
+    """The trial process's device: its one GPU (Ray makes it the only one it sees) or the CPU."""
+    return torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
+
+
 def train_in_trial(
-    plan: TrialPlan, batch_source: loop.BatchSource | None, topo: Topology | None = None
+    plan: TrialPlan,
+    batch_source: loop.BatchSource | None,
+    topo: Topology | None = None,
+    attempt: fence.Attempt | None = None,
 ) -> list[tuple[str, dict]]:
     """Train (or resume) the trial in this process, as world rank 0 of `topo` (a pooled trial,
-    `worker_pool`) or alone; returns its kept checkpoints (URI, meta)."""
-    scaling, tr = plan.study.scaling, plan.study.training
-    torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
-    fence.claim(plan.trial_uri)  # a stranded earlier attempt of this trial writes nothing from now on
-    store = trial_store(plan)
-    saver = AsyncCheckpointer(store) if tr.async_checkpoint else SyncCheckpointer(store)
+    `worker_pool`, whose `attempt` it claimed) or alone; returns its kept checkpoints (URI, meta)."""
+    torch.set_num_threads(max(1, int(plan.study.scaling.cpus_per_worker)))
+    # a stranded earlier attempt of this trial writes nothing from now on
+    attempt = attempt or fence.claim(plan.trial_uri)
     topo = topo or Topology(node_id=ray.get_runtime_context().get_node_id())
-    device = torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
-    loop.train(plan, topo, StoreReporter(store, ray.tune.report), device, batch_source, checkpointer=saver)
-    return store.complete()
+    return train_rank(plan, topo, trial_device(plan.study.scaling), batch_source, ray.tune.report, attempt)

@@ -20,8 +20,6 @@ from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.distributed import checkpoint, fence
 from service.distributed.checkpoint import TrialState
-from service.distributed.checkpoint_store import AsyncCheckpointer, SyncCheckpointer
-from service.distributed.sharded import ShardedCheckpointStore
 from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
 from service.orchestration.ray_private import final_error_of, report_to_tune, trainer_class
@@ -121,11 +119,7 @@ def train_worker(config: dict) -> None:
     if plan.study.scaling.strategy != "fsdp":
         loop.train(plan, topo, RayTrainReporter(attempt if topo.is_rank0 else None), device, source)
         return
-    store = sharded_store(plan, topo.world_rank)
-    saver = AsyncCheckpointer(store) if plan.study.training.async_checkpoint else SyncCheckpointer(store)
-    loop.train(
-        plan, topo, fast_path.StoreReporter(store, ray.train.report), device, source, checkpointer=saver
-    )
+    fast_path.train_rank(plan, topo, device, source, ray.train.report, attempt)  # its shards in its store
 
 
 def group_attempt(plan: TrialPlan, topo: Topology) -> fence.Attempt:
@@ -137,11 +131,6 @@ def group_attempt(plan: TrialPlan, topo: Topology) -> fence.Attempt:
         dist.broadcast_object_list(box, src=0)
     fence.hold(box[0])
     return box[0]
-
-
-def sharded_store(plan: TrialPlan, rank: int) -> ShardedCheckpointStore:
-    tr = plan.study.training
-    return ShardedCheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, rank)
 
 
 def batch_source(study: Study) -> loop.BatchSource | None:

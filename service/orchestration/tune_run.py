@@ -83,11 +83,11 @@ def is_fast_path(scaling) -> bool:
 
 
 def reuses_workers(study: Study) -> bool:
-    """Multi-worker trials on CPU whose study asks for it (`scaling.reuse_workers`) train on a
-    pool of workers that a Tune run's next trial reuses (`service.orchestration.worker_pool`).
-    Not with Ray Data input workers, which Ray Train's worker group places for them."""
+    """Multi-worker trials train on a pool of workers that a Tune run's next trial reuses
+    (`service.orchestration.worker_pool`) unless the study turns it off
+    (`scaling.reuse_workers: false`: a Ray Train run per trial)."""
     s = study.scaling
-    return s.reuse_workers and s.world_size > 1 and not s.use_gpu and study.input.workers != "ray_data"
+    return s.reuse_workers and s.world_size > 1
 
 
 def placement_strategy(scaling) -> str:

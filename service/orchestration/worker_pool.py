@@ -1,23 +1,27 @@
-"""Multi-worker trials that reuse their workers (`scaling.reuse_workers`): a Tune run's trials
-share one pool of worker processes and their gloo process group, instead of a Ray Train
-controller, placement group and worker group started for every trial (docs/performance.md).
+"""Multi-worker trials on reused workers (the default; `scaling.reuse_workers: false` turns it
+off): a Tune run's trials share one pool of worker processes and their process group (gloo on
+CPUs, NCCL on GPUs), instead of a Ray Train controller, placement group and worker group
+started for every trial (docs/performance.md).
 
 - Placement: the trial reserves one bundle per worker through Tune (`tune_run.trial_resources`,
   the placement strategy of a Ray Train trial). World rank 0 is the Tune trial's own process,
   in the first bundle, which trains and reports like the single-worker fast path; the pool's
   actors, one in each other bundle, are world ranks 1.. . A node's workers get consecutive
   world ranks, rank 0's node first, so hosts and local ranks follow from the node ids exactly
-  as on Ray Train (`topology.placement`).
+  as on Ray Train (`topology.placement`). Ray Data input workers, where the study asks for
+  them, are started by each rank outside the trial's placement group, as from a Ray Train
+  worker.
 - Reuse: Tune hands a finished trial's process to the run's next trial (`reuse_actors`); the
   pool, kept in this module, serves it. Every trial builds its own model, optimizer, RNG and
   data stream from its own seeds on every rank (`trainer.loop`), so a trial computes the same
   on a reused pool as on a new one.
+- Checkpoints: rank 0 keeps a DDP trial's; under `fsdp` every rank writes its shards
+  (`distributed.sharded`). Every rank holds the attempt rank 0 claimed (`distributed.fence`).
 - Failures: a rank that fails ends the trial on every rank (a failed actor's peers are killed,
   which breaks rank 0's collectives), the pool is closed, and the error goes to Tune, which
   restarts the trial in a new process with a new pool; it resumes from its latest complete
-  checkpoint on storage (rank 0 keeps them, `distributed.checkpoint_store`; every rank reads it).
+  checkpoint on storage, which every rank reads. The run's other trials keep their pools.
 """
-
 from __future__ import annotations
 
 import datetime
@@ -31,12 +35,12 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from service.distributed import fence
 from service.distributed.topology import Topology, rank_topology, world_order
 from service.orchestration import fast_path, launch, worker_console
 from service.planning.trial import TrialPlan
 from service.trainer import loop
 
-BACKEND = "gloo"
 WATCH_INTERVAL_S = 0.2
 _pool: WorkerPool | None = None
 """This trial process's pool, kept for the Tune run's next trial."""
@@ -62,11 +66,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(address: str, rank: int, world_size: int, timeout_s: float) -> None:
+def backend(scaling) -> str:
+    """The process group's backend, as on Ray Train: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if scaling.use_gpu else "gloo"
+
+
+def join_group(scaling, address: str, rank: int, world_size: int) -> None:
     """This process as `rank` of the pool's process group, whose collectives fail after
     `scaling.collective_timeout_s` (as a Ray Train worker group's do, `launch.torch_config`)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(BACKEND, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
+    timeout = datetime.timedelta(seconds=scaling.collective_timeout_s)
+    dist.init_process_group(
+        backend(scaling), init_method=address, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 @ray.remote
@@ -81,14 +92,15 @@ class PoolWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def join(self, address: str, rank: int, world_size: int, timeout_s: float) -> None:
-        join_group(address, rank, world_size, timeout_s)
+    def join(self, scaling, address: str, rank: int, world_size: int) -> None:
+        join_group(scaling, address, rank, world_size)
 
-    def train(self, plan: TrialPlan, topo: Topology) -> None:
-        torch.set_num_threads(max(1, int(plan.study.scaling.cpus_per_worker)))
-        # World ranks 1..: rank 0 reports to Tune and keeps the checkpoints; every rank resumes.
-        reporter = fast_path.StoreReporter(fast_path.trial_store(plan), None)
-        loop.train(plan, topo, reporter, torch.device("cpu"), launch.batch_source(plan.study))
+    def train(self, plan: TrialPlan, topo: Topology, attempt: fence.Attempt) -> None:
+        scaling = plan.study.scaling
+        torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
+        # World ranks 1..: rank 0 reports to Tune (and keeps a DDP trial's checkpoints).
+        source = launch.batch_source(plan.study)
+        fast_path.train_rank(plan, topo, fast_path.trial_device(scaling), source, None, attempt)
 
 
 class WorkerPool:
@@ -115,15 +127,16 @@ class WorkerPool:
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
         return PoolWorker.options(
             num_cpus=self.scaling.cpus_per_worker,
+            num_gpus=1 if self.scaling.use_gpu else 0,
             scheduling_strategy=strategy,
             runtime_env={"env_vars": launch.worker_env(self.scaling)},
         ).remote()
 
     def _join(self) -> None:
         address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
-        size, timeout_s = len(self.topologies), self.scaling.collective_timeout_s
-        joined = [w.join.remote(address, rank, size, timeout_s) for rank, w in enumerate(self.workers, 1)]
-        join_group(address, 0, size, timeout_s)
+        size = len(self.topologies)
+        joined = [w.join.remote(self.scaling, address, rank, size) for rank, w in enumerate(self.workers, 1)]
+        join_group(self.scaling, address, 0, size)
         ray.get(joined)
 
     def serves(self, scaling) -> bool:
@@ -132,12 +145,13 @@ class WorkerPool:
 
     def train(self, plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
         """One trial on every rank: rank 0 here, the others on the pool's actors."""
+        attempt = fence.claim(plan.trial_uri)  # held by every rank: each writes a sharded checkpoint
         peers = zip(self.workers, self.topologies[1:], strict=True)
-        futures = [w.train.remote(plan, topo) for w, topo in peers]
+        futures = [w.train.remote(plan, topo, attempt) for w, topo in peers]
         done = threading.Event()
         threading.Thread(target=self._watch, args=(futures, done), daemon=True).start()
         try:
-            kept = fast_path.train_in_trial(plan, batch_source, self.topologies[0])
+            kept = fast_path.train_in_trial(plan, batch_source, self.topologies[0], attempt)
             ray.get(futures)
         except Exception as e:
             self.close()

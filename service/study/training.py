@@ -36,10 +36,11 @@ class Scaling:
     """One GPU per worker and NCCL; otherwise CPU and gloo."""
     cpus_per_worker: float = 1.0
     """CPUs reserved for each worker."""
-    reuse_workers: bool = False
-    """Multi-worker CPU trials: a Tune run's trials share one pool of worker processes and
-    their process group, started with the run's first trial (no Ray Train start-up per
-    trial); a failed trial's pool is replaced. Off: one Ray Train run per trial."""
+    reuse_workers: bool = True
+    """Multi-worker trials: a Tune run's trials share one pool of worker processes and their
+    process group (gloo, or NCCL with `use_gpu`), started with the run's first trial (no Ray
+    Train start-up per trial); a failed trial's pool is replaced. Off: one Ray Train run per
+    trial."""
     collective_timeout_s: float = 300.0
     """Seconds a collective (an all-reduce, a gather: gloo or NCCL) waits for its slowest rank
     before it fails, and with it the worker group, which Ray Train restarts from the latest

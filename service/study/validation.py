@@ -293,11 +293,8 @@ def _nearest(values: list[int], x: int) -> str:
 
 def _fsdp_errors(study: Study):
     """What `scaling.strategy: fsdp` cannot train (yet): fp16's loss scaling (its skipped steps
-    would need every shard's overflow agreed; bf16 needs none), a compiled model, and a pool
-    of reused workers (their checkpoints are kept by rank 0 alone)."""
+    would need every shard's overflow agreed; bf16 needs none) and a compiled model."""
     if study.training.precision == "fp16":
         yield "training.precision", "fp16 is not supported with scaling.strategy: fsdp (use bf16)"
     if study.training.compile:
         yield "training.compile", "not supported with scaling.strategy: fsdp"
-    if study.scaling.reuse_workers:
-        yield "scaling.reuse_workers", "not supported with scaling.strategy: fsdp"

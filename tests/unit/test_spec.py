@@ -320,7 +320,6 @@ BAD = [
     ("zero-shard-group", _both(*FSDP_ON_2, _set("scaling.shard_group_size", 0)), "scaling.shard_group_size"),
     ("fsdp-with-fp16", _both(*FSDP_ON_2, _set("training.precision", "fp16")), "training.precision"),
     ("fsdp-with-compile", _both(*FSDP_ON_2, _set("training.compile", True)), "training.compile"),
-    ("fsdp-reusing-workers", _both(*FSDP_ON_2, _set("scaling.reuse_workers", True)), "scaling.reuse_workers"),
 ]
 
 # Hyperparameters and round fields nothing would read (or that could not run), each refused
