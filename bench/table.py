@@ -22,6 +22,7 @@ BASELINES = {
     "exposed_input_fraction": ("input_wait_s", "loop_wall_s", "s"),
     "trial_overhead_ratio": ("service_overhead_s", "plain_overhead_s", "s"),
     "multiworker_trial_overhead_ratio": ("multiworker_overhead_s", "plain_overhead_s", "s"),
+    "eval_interval_wait_s": ("median_s", "ray_train_median_s", "s"),
     "checkpoint_ratio": ("save_s", "torch_save_s", "s"),
     "async_checkpoint_stall_ratio": ("stall_s", "sync_save_s", "s"),
     "async_stall_vs_copy": ("stall_s", "copy_s", "s"),

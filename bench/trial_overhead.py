@@ -9,8 +9,15 @@ of multi-worker trials without `scaling.reuse_workers`), and what the imports of
 process cost.
 
 multiworker_trial_overhead_ratio: the fixed cost per trial of a round of ROUND_TRIALS two-worker
-trials on a reused pool of workers (the round's Tuner.fit() wall time - its trials' step-loop
-time, over the trials) / the plain Tune function trial's overhead above.
+trials with nothing set in the study but the layout (reused workers, the default: the round's
+Tuner.fit() wall time - its trials' step-loop time, over the trials) / the plain Tune function
+trial's overhead above.
+
+eval_interval_wait_s: per evaluation of those two-worker trials (after a trial's first), the
+seconds between two of its reports to Tune spent neither in the interval's steps nor in its
+metric all-reduce, BN sync, evaluation or checkpoint: what a report waits to go through (on a
+Ray Train run, its controller's poll) and the metrics log's write. Beside it, the same of a
+round of Ray Train runs (`reuse_workers: false`), at the poll interval `playbook run` sets.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from bench.common import ROOT, figure
 
 STEPS, EVERY, BATCH, REPEATS = 100, 50, 64, 3
 ROUND_TRIALS = 20
+RAY_TRAIN_TRIALS = 3
 HPARAMS = {"learning_rate": 0.05, "momentum": 0.9, "width": 16, "weight_decay": 0.0}
 
 
@@ -167,18 +175,47 @@ def pooled_round(data: str, storage: str, tune_dir: str) -> dict:
 
     from service.orchestration.tune_run import study_trainable
 
-    pooled = {"num_hosts": 1, "workers_per_host": 2, "reuse_workers": True}
-    study = service_study(data, storage, "bench-multiworker", pooled)
+    study = service_study(data, storage, "bench-multiworker", {"num_hosts": 1, "workers_per_host": 2})
     names = [f"m-{i:04d}" for i in range(ROUND_TRIALS)]
     space = {"trial": tune.grid_search([trial_config(n) for n in names])}
-    wall, _ = run_round(study_trainable(study), space, tune_dir, "multiworker")
+    wall, results = run_round(study_trainable(study), space, tune_dir, "multiworker")
     loop = sum(loop_seconds(study, n) for n in names)
     return {
         "multiworker_overhead_s": (wall - loop) / ROUND_TRIALS,
         "multiworker_round_wall_s": wall,
         "multiworker_round_loop_s": loop,
         "multiworker_trials": ROUND_TRIALS,
+        "eval_waits_s": eval_waits(results),
     }
+
+
+def ray_train_round_waits(data: str, storage: str, tune_dir: str) -> list[float]:
+    """`eval_waits` of a round of RAY_TRAIN_TRIALS two-worker Ray Train runs, for context."""
+    from ray import tune
+
+    from service.orchestration.tune_run import study_trainable
+
+    layout = {"num_hosts": 1, "workers_per_host": 2, "reuse_workers": False}
+    study = service_study(data, storage, "bench-multiworker-train", layout)
+    names = [f"t-{i:04d}" for i in range(RAY_TRAIN_TRIALS)]
+    space = {"trial": tune.grid_search([trial_config(n) for n in names])}
+    return eval_waits(run_round(study_trainable(study), space, tune_dir, "multiworker-train")[1])
+
+
+BUSY = ("multihost/reduce_s", "multihost/bn_sync_s", "eval_s", "checkpoint_s")
+"""An evaluation's timed work besides its interval's steps (`trainer.loop`)."""
+
+
+def eval_waits(results) -> list[float]:
+    """Per evaluation after each trial's first (whose interval also holds the trial's start):
+    Tune's time since the trial's previous report less the interval's steps and BUSY."""
+    waits = []
+    for result in results:
+        rows = [r for r in result.metrics_dataframe.to_dict("records") if r.get("steps_per_s", 0) > 0]
+        for prev, row in zip(rows, rows[1:], strict=False):
+            steps_s = (row["step"] - prev["step"]) / row["steps_per_s"]
+            waits.append(row["time_this_iter_s"] - steps_s - sum(row[k] for k in BUSY))
+    return waits
 
 
 def plain_round_overhead(plain_fn, data: str, out: str, tune_dir: str) -> float:
@@ -195,7 +232,8 @@ def round_figures(plain_fn, data: str, tmp: str, tune_dir: str) -> dict:
     """The multi-worker round's figures, and the plain round's fixed cost per trial beside them."""
     pooled = pooled_round(data, f"{tmp}/studies", tune_dir)
     plain = plain_round_overhead(plain_fn, data, f"{tmp}/plain-round", tune_dir)
-    return {**pooled, "plain_round_overhead_s": plain}
+    train_waits = ray_train_round_waits(data, f"{tmp}/studies", tune_dir)
+    return {**pooled, "plain_round_overhead_s": plain, "ray_train_eval_waits_s": train_waits}
 
 
 def import_seconds(module: str) -> float:
@@ -208,10 +246,12 @@ def run() -> dict:
     import ray
     from ray import tune
 
+    from service.cli.prepare import train_poll_env
     from service.data.builtin import write_digits
     from service.orchestration.tune_run import study_trainable
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    os.environ.update(train_poll_env())  # Ray Train's poll interval as `playbook run` sets it
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     walls = {"plain": [], "service": [], "ray_train": []}
     loops = {"plain": [], "service": [], "ray_train": []}
@@ -264,7 +304,17 @@ def run() -> dict:
     }
     single = overhead["service"] / overhead["plain"]
     multiworker = pooled["multiworker_overhead_s"] / overhead["plain"]
+    waits = {k: pooled.pop(k) for k in ("eval_waits_s", "ray_train_eval_waits_s")}
     return {
+        "eval_interval_wait_s": figure(
+            "eval_interval_wait_s",
+            med(waits["eval_waits_s"]),
+            median_s=med(waits["eval_waits_s"]),
+            evaluations=len(waits["eval_waits_s"]),
+            max_s=max(waits["eval_waits_s"]),
+            ray_train_median_s=med(waits["ray_train_eval_waits_s"]),
+            ray_train_evaluations=len(waits["ray_train_eval_waits_s"]),
+        ),
         "trial_overhead_ratio": figure("trial_overhead_ratio", single, **raw),
         "multiworker_trial_overhead_ratio": figure(
             "multiworker_trial_overhead_ratio", multiworker, plain_overhead_s=overhead["plain"], **pooled

@@ -45,13 +45,16 @@ def quiet_train_console() -> None:
 
 
 def log_known_warnings() -> None:
-    """Warnings of `NOT_THE_USERS_PROBLEM` go to Ray Train's log file (INFO: below what its
-    console handler shows, see `quiet_train_console`); every other warning is shown as usual.
+    """Warnings of `NOT_THE_USERS_PROBLEM` go to Ray Train's log file in a Ray Train worker
+    (INFO: below what its console handler shows, see `quiet_train_console`) and nowhere in
+    another process (a Tune trial, a pool worker: Ray's console handler there shows INFO, and
+    the process has no log file but its console); every other warning is shown as usual.
     Once per process."""
     if getattr(warnings.showwarning, "playbook", False):
         return
     show = warnings.showwarning
     log = logging.getLogger("ray.train.playbook")
+    log.propagate = bool(logging.getLogger("ray.train").handlers)  # Ray Train's own handlers
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         if str(message).startswith(NOT_THE_USERS_PROBLEM):

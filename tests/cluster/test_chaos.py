@@ -1,7 +1,8 @@
-"""A short seeded chaos run (`make chaos` runs twenty drawn ones, see tests/helpers/chaos.py): the
-two-worker study run once uninterrupted by `playbook run` on an embedded Ray, then with a process
-drawn from a fixed seed SIGKILLed at a drawn moment; where the command died or failed it is
-rerun; the results must be bitwise the reference's and nothing of the run's Ray may be left."""
+"""A short seeded chaos run (`make chaos` runs twenty drawn ones, see tests/helpers/chaos.py):
+the two-worker study (on reused workers, the default) run once uninterrupted by `playbook run`
+on an embedded Ray, then with a process drawn from a fixed seed SIGKILLed at a drawn moment;
+where the command died or failed it is rerun; the results must be bitwise the reference's and
+nothing of the run's Ray may be left."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.helpers import chaos
 
 pytestmark = [pytest.mark.timeout(1200)]
 SEEDS = {
-    19: "train_worker"
+    5: "pool_worker"
 }  # a death the service heals alone; the command's own (a rerun): test_fault_driver_kill
 
 

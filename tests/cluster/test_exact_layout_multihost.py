@@ -34,8 +34,9 @@ def two_hosts_of_two_cpus():
         cluster.shutdown()
 
 
-def documented_example(digits_dir, storage) -> spec.Study:
-    """The example's layout and training set-up, shortened to one short trial."""
+def documented_example(digits_dir, storage, **scaling) -> spec.Study:
+    """The example's layout and training set-up, shortened to one short trial; `scaling`
+    overrides fields of its scaling section."""
     with open(EXAMPLE) as f:
         d = spec.to_dict(spec.load_text(f.read(), source=EXAMPLE))
     d["data"] = {s: str(digits_dir / s) for s in ("train", "validation")}
@@ -47,6 +48,7 @@ def documented_example(digits_dir, storage) -> spec.Study:
     )
     d["search"]["width"] = {"role": "fixed", "value": 8}
     d["rounds"] = [{"name": "explore", "num_trials": 1}]
+    d["scaling"].update(scaling)
     return spec.load_dict(d)
 
 
@@ -56,8 +58,8 @@ def test_the_documented_multihost_example_runs_on_exactly_its_cpus(
     from service.orchestration.coordinator import trials_that_fit
     from service.study.checks import check_resources
 
-    ray = two_hosts_of_two_cpus
-    study = documented_example(digits_dir, tmp_path)
+    ray = two_hosts_of_two_cpus  # as a Ray Train run per trial: its controller needs no CPU
+    study = documented_example(digits_dir, tmp_path, reuse_workers=False)
     assert (study.scaling.num_hosts, study.scaling.workers_per_host, study.scaling.cpus_per_worker) == (
         2,
         2,
@@ -74,12 +76,12 @@ def test_the_documented_multihost_example_runs_on_exactly_its_cpus(
 
 
 def test_the_example_on_a_reused_pool_runs_on_exactly_its_cpus(two_hosts_of_two_cpus, digits_dir, tmp_path):
-    """The same layout with `scaling.reuse_workers`: the trial's own process is world rank 0,
-    the pool's actors the others, all four in the trial's placement group on exactly the
-    cluster's CPUs; the second trial runs on the first one's processes; each node holds one
-    host's ranks."""
+    """The same layout as the example runs it (on reused workers, the default): the trial's own
+    process is world rank 0, the pool's actors the others, all four in the trial's placement
+    group on exactly the cluster's CPUs; the second trial runs on the first one's processes;
+    each node holds one host's ranks."""
     d = spec.to_dict(documented_example(digits_dir, tmp_path))
-    d["scaling"]["reuse_workers"] = True
+    assert d["scaling"]["reuse_workers"] is True
     d["rounds"] = [{"name": "explore", "num_trials": 2}]
     study = spec.load_dict(d)
     rows = run_within_timeout(study)

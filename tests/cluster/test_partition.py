@@ -62,7 +62,13 @@ def study_raw(digits_dir, storage_dir) -> dict:
         digits_dir,
         storage_dir,
         name="partition",
-        scaling={"num_hosts": 2, "workers_per_host": 1, "collective_timeout_s": COLLECTIVE_TIMEOUT_S},
+        # A Ray Train run per trial: the checks read its controller's checkpoint snapshot.
+        scaling={
+            "num_hosts": 2,
+            "workers_per_host": 1,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "reuse_workers": False,
+        },
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY},
         search={k: {"role": "fixed", "value": v} for k, v in HPARAMS.items()},
         rounds=[{"name": "explore", "num_trials": 1}],

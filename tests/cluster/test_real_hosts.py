@@ -137,13 +137,15 @@ def test_make_real_hosts_runs_from_a_clean_working_directory(tmp_path):
 
 
 def one_trial_study(digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int):
-    """A study of one trial with every hyperparameter fixed (HPARAMS), as plain data."""
+    """A study of one trial with every hyperparameter fixed (HPARAMS), as plain data: a Ray
+    Train run (`reuse_workers: false`), whose own records of its workers and checkpoints (its
+    state API, its controller's snapshot) the checks compare with the trial's."""
     batch = 30 if hosts * per_host == 3 else 32  # divisible by the workers
     return study_dict(
         digits_dir,
         storage,
         name=name,
-        scaling={"num_hosts": hosts, "workers_per_host": per_host},
+        scaling={"num_hosts": hosts, "workers_per_host": per_host, "reuse_workers": False},
         training={
             "max_train_steps": steps,
             "eval_every_steps": every,

@@ -17,8 +17,10 @@ import pytest
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
+from service.cli.prepare import TRAIN_POLL_ENV, TRAIN_POLL_S
 from service.study import spec
 from service.tracking.trial_table import TrialTable
+from tests.helpers.processes import EnvironWatcher
 from tests.helpers.studies import study_dict
 
 VALIDATE_RUNS = 30
@@ -30,12 +32,12 @@ def cli_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
-def playbook(*args: str, **kw) -> subprocess.CompletedProcess:
+def playbook(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "service", *args],
         capture_output=True,
         text=True,
-        env=cli_env(),
+        env=env or cli_env(),
         timeout=600,
         **kw,
     )
@@ -165,25 +167,35 @@ def test_status_into_a_closed_pipe_exits_without_a_traceback(digits_dir, tmp_pat
 
 
 @pytest.mark.ray
-def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir, tmp_path):
+@pytest.mark.parametrize("reuse", [True, False], ids=["pool", "ray-train"])
+def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir, tmp_path, reuse):
     """A 2-worker study run by the CLI with its own local Ray while another Ray (this test
-    session's) runs on the machine: Ray Train's placement-group cleaner found two and printed
-    tracebacks, and every worker printed torch's `broadcast_buffers` FutureWarning."""
+    session's) runs on the machine, on a pool of reused workers (the default) and as a Ray Train
+    run (`reuse_workers: false`): Ray Train's placement-group cleaner found two and printed
+    tracebacks, and every worker printed torch's `broadcast_buffers` FutureWarning. A Ray Train
+    trial's controller polls its workers at the service's interval, not Ray's 2 s (a report
+    waits for the poll: every evaluation waited for it); a pooled trial starts no controller."""
+    scaling = {"num_hosts": 1, "workers_per_host": 2, "cpus_per_worker": 0.5}
     raw = study_dict(
         digits_dir,
         tmp_path / "storage",
         name="quiet",
-        scaling={"num_hosts": 1, "workers_per_host": 2, "cpus_per_worker": 0.5},
+        scaling=scaling if reuse else {**scaling, "reuse_workers": False},
         rounds=[{"name": "explore", "num_trials": 1}],
     )
     study_file = tmp_path / "study.yaml"
     study_file.write_text(yaml.safe_dump(raw))
-    out = playbook("run", str(study_file), cwd=str(tmp_path))
+    # As on a user's machine: the poll interval is the service's (this session's is not).
+    env = {k: v for k, v in cli_env().items() if k != TRAIN_POLL_ENV}
+    with EnvironWatcher("TrainController") as controllers:
+        out = playbook("run", str(study_file), cwd=str(tmp_path), env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "best trial: explore-0000" in out.stdout
     for noise in ("Traceback", "FutureWarning", "Exception ignored", "Error"):
         assert noise not in text, text[-4000:]
+    intervals = [e.get(TRAIN_POLL_ENV) for e in controllers.seen.values()]
+    assert intervals == ([] if reuse else [TRAIN_POLL_S])
 
 
 EXIT_IN_A_WEAKREF_CALLBACK = """

@@ -19,7 +19,7 @@ from service.data.files import list_files
 from service.data.loader import WindowReader, pieces_of
 from service.data.sharding import RowRange
 from tests.helpers.processes import own_lines
-from tests.helpers.studies import make_study, study_dict
+from tests.helpers.studies import TRIAL_LAYOUTS, make_study, study_dict
 from tests.helpers.text_workload import as_text
 
 BAD_ROW = 150  # in the second row group of every training file (row groups of 128 rows)
@@ -80,8 +80,8 @@ def test_the_loader_names_the_file_column_and_row_of_a_bad_value(digits_dir, tmp
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("workers", [1, 2], ids=["fast-path", "ray-train"])
-def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path, workers):
+@pytest.mark.parametrize("layout", TRIAL_LAYOUTS)
+def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path, layout):
     from service.orchestration.coordinator import run_study
 
     data = copy_splits(digits_dir, tmp_path / "data", lambda t: as_text(t, BAD_ROW), as_text)
@@ -90,10 +90,10 @@ def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path,
     study = make_study(
         digits_dir,
         tmp_path / "storage",
-        name=f"bad-data-{workers}",
+        name=f"bad-data-{layout}",
         workload="tests.helpers.text_workload:TextDigits",
         data=data,
-        scaling={"num_hosts": 1, "workers_per_host": workers, "cpus_per_worker": 0.5},
+        scaling={**TRIAL_LAYOUTS[layout], "cpus_per_worker": 0.5},
         search={
             "learning_rate": {"role": "fixed", "value": 0.1},
             "width": {"role": "fixed", "value": 4},
@@ -116,7 +116,7 @@ def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path,
         r["trial_name"]: r for r in pq.read_table(os.path.join(study.study_uri, "trials.parquet")).to_pylist()
     }
     assert stored[row["trial_name"]]["error"] == row["error"]
-    assert len(os.listdir(attempts)) == workers  # one attempt: one model per rank
+    assert len(os.listdir(attempts)) == study.scaling.world_size  # one attempt: one model per rank
     assert elapsed < FAIL_FAST_S, elapsed
 
 

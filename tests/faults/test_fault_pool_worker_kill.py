@@ -1,8 +1,10 @@
-"""A multi-worker trial on a reused pool (`scaling.reuse_workers`): world rank 1 (a pool actor)
-or world rank 0 (the Tune trial's own process, which owns the pool's actors) is SIGKILLed
-mid-run; the trial fails on every rank, Tune restarts it on a new pool, it resumes from its
-latest complete checkpoint, and it ends bitwise the same as an uninterrupted run (metrics,
-weights, every rank's RNG state, kept checkpoints)."""
+"""Multi-worker trials on reused pools (the default): a round of two 2-worker trials runs at once,
+each on a pool of its own. World rank 1 (a pool actor) or world rank 0 (the Tune trial's own
+process, which owns the pool's actors) of the first trial is SIGKILLed mid-run; that trial fails
+on every rank, Tune restarts it on a new pool, it resumes from its latest complete checkpoint,
+and it ends bitwise the same as an uninterrupted run (metrics, weights, every rank's RNG state,
+kept checkpoints). The other trial is not touched: one attempt, the same processes throughout,
+the same results as uninterrupted."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.studies import make_study, same_nested
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
-STEPS, EVERY, TRIAL = 600, 60, "explore-0000"
+STEPS, EVERY = 300, 30
+KILLED, OTHER = "explore-0000", "explore-0001"
 
 
 def study_in(digits_dir, storage):
@@ -28,85 +31,114 @@ def study_in(digits_dir, storage):
         digits_dir,
         storage,
         name="pool-faults",
-        scaling={"num_hosts": 1, "workers_per_host": 2, "reuse_workers": True},
+        scaling={"num_hosts": 1, "workers_per_host": 2, "cpus_per_worker": 0.5},
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY, "num_checkpoints_to_keep": 2},
-        rounds=[{"name": "explore", "num_trials": 1}],
+        search={
+            "learning_rate": {"role": "nuisance", "type": "choice", "values": [0.05, 0.1]},
+            "momentum": {"role": "fixed", "value": 0.9},
+            "width": {"role": "fixed", "value": 4},
+        },
+        rounds=[{"name": "explore", "kind": "grid", "num_trials": 2, "max_concurrent_trials": 2}],
     )
 
 
-def trial_dir(study) -> str:
-    return os.path.join(study.study_uri, "trials", TRIAL)
+def trial_dir(study, trial: str) -> str:
+    return os.path.join(study.study_uri, "trials", trial)
 
 
-def log(study) -> list[dict]:
-    with open(os.path.join(trial_dir(study), "metrics.jsonl")) as f:
+def log(study, trial: str) -> list[dict]:
+    path = os.path.join(trial_dir(study, trial), "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
         return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
 
 
-def ranks(study) -> list[dict]:
-    with open(os.path.join(trial_dir(study), "topology.json")) as f:
+def ranks(study, trial: str) -> list[dict]:
+    with open(os.path.join(trial_dir(study, trial), "topology.json")) as f:
         return sorted(json.load(f)["ranks"], key=lambda r: r["world_rank"])
 
 
-def complete_steps(study) -> list[int]:
+def attempt(study, trial: str) -> int:
+    with open(os.path.join(trial_dir(study, trial), "attempt.json")) as f:
+        return json.load(f)["attempt"]
+
+
+def complete_steps(study, trial: str) -> list[int]:
     """Steps of the checkpoints a restarted trial could select, read from the files alone."""
-    out = []
-    for d in os.listdir(trial_dir(study)):
-        meta = os.path.join(trial_dir(study), d, checkpoint.META_FILE)
+    folder, out = trial_dir(study, trial), []
+    for d in os.listdir(folder) if os.path.isdir(folder) else []:
+        meta = os.path.join(folder, d, checkpoint.META_FILE)
         if d.startswith("checkpoint_") and os.path.exists(meta):
             with open(meta) as f:
                 out.append(json.load(f)["step"])
     return sorted(out)
 
 
-def latest_state(study):
+def latest_state(study, trial: str):
     tr = study.training
-    return CheckpointStore(trial_dir(study), 2, tr.metric, tr.mode).latest_state()
+    return CheckpointStore(trial_dir(study, trial), 2, tr.metric, tr.mode).latest_state()
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
-    """The same study run without a kill, once for both cases: (study, its one row)."""
+    """The same study run without a kill, once for both cases: (study, its rows by trial)."""
     from service.orchestration.coordinator import run_study
 
     reference = study_in(digits_dir, tmp_path_factory.mktemp("reference"))
-    (ref_row,) = run_study(reference)
-    return reference, ref_row
+    return reference, {r["trial_name"]: r for r in run_study(reference)}
+
+
+def kill_mid_run(study, runner: threading.Thread, rank: int) -> dict:
+    """SIGKILL world rank `rank` of KILLED once it has a complete checkpoint, while OTHER still
+    trains: what was there then (the killed ranks, the last committed and logged steps, OTHER's
+    ranks)."""
+    deadline = time.time() + 300
+    while runner.is_alive() and time.time() < deadline:
+        if complete_steps(study, KILLED) and log(study, OTHER):
+            killed = ranks(study, KILLED)
+            seen = {"killed": killed, "persisted": max(complete_steps(study, KILLED))}
+            seen["other"] = ranks(study, OTHER)
+            os.kill(killed[rank]["pid"], signal.SIGKILL)
+            seen["killed_after"] = log(study, KILLED)[-1]["step"]
+            seen["other_after"] = log(study, OTHER)[-1]["step"]
+            return seen
+        time.sleep(0.05)
+    raise AssertionError("the trials were never both running with a checkpoint")
+
+
+def assert_same_trial(study, reference, trial: str, row: dict, ref_row: dict) -> None:
+    assert log(study, trial) == log(reference, trial)
+    assert row["status"] == ref_row["status"] == "FINISHED"
+    assert (row["best_step"], row["best_metric"]) == (ref_row["best_step"], ref_row["best_metric"])
+    assert complete_steps(study, trial) == complete_steps(reference, trial)
+    got, want = latest_state(study, trial), latest_state(reference, trial)
+    assert got.step == want.step == STEPS
+    assert same_nested(got.model, want.model)
+    assert same_nested(got.rng_states, want.rng_states)
 
 
 @pytest.mark.parametrize("rank", [1, 0], ids=["pool-actor", "trial-process"])
-def test_killed_pool_worker_resumes_to_the_same_result(uninterrupted, digits_dir, tmp_path, rank):
+def test_a_killed_pool_rank_restarts_only_its_own_trial(uninterrupted, digits_dir, tmp_path, rank):
     from service.orchestration.coordinator import run_study
 
-    reference, ref_row = uninterrupted
-
+    reference, ref_rows = uninterrupted
     study = study_in(digits_dir, tmp_path / "killed")
     outcome = {}
     runner = threading.Thread(target=lambda: outcome.update(rows=run_study(study)))
     runner.start()
-    killed = None
-    deadline = time.time() + 300
-    while runner.is_alive() and time.time() < deadline and killed is None:
-        if os.path.isdir(trial_dir(study)) and complete_steps(study):
-            killed = ranks(study)
-            persisted = max(complete_steps(study))
-            os.kill(killed[rank]["pid"], signal.SIGKILL)
-            killed_after = log(study)[-1]["step"]
-        time.sleep(0.05)
+    seen = kill_mid_run(study, runner, rank)
     runner.join(timeout=400)
-    assert killed is not None and killed_after < STEPS, "the worker was never killed mid-run"
+    assert seen["killed_after"] < STEPS and seen["other_after"] < STEPS, "killed after a trial ended"
 
-    restarted = ranks(study)
-    assert {r["pid"] for r in restarted}.isdisjoint(r["pid"] for r in killed)  # a new pool
-    assert persisted <= restarted[0]["resumed_from_step"] <= killed_after
+    restarted = ranks(study, KILLED)
+    assert {r["pid"] for r in restarted}.isdisjoint(r["pid"] for r in seen["killed"])  # a new pool
+    assert seen["persisted"] <= restarted[0]["resumed_from_step"] <= seen["killed_after"]
     assert restarted[0]["resumed_from_step"] == restarted[1]["resumed_from_step"]
-    assert log(study) == log(reference)
+    assert attempt(study, KILLED) == 2
+    # The other trial trained on through the kill: its one attempt, on its own pool throughout.
+    assert attempt(study, OTHER) == 1 and ranks(study, OTHER) == seen["other"]
 
-    (row,) = outcome["rows"]
-    assert row["status"] == ref_row["status"] == "FINISHED"
-    assert (row["best_step"], row["best_metric"]) == (ref_row["best_step"], ref_row["best_metric"])
-    assert complete_steps(study) == complete_steps(reference)
-    got, want = latest_state(study), latest_state(reference)
-    assert got.step == want.step == STEPS
-    assert same_nested(got.model, want.model)
-    assert same_nested(got.rng_states, want.rng_states)
+    rows = {r["trial_name"]: r for r in outcome["rows"]}
+    for trial in (KILLED, OTHER):
+        assert_same_trial(study, reference, trial, rows[trial], ref_rows[trial])

@@ -2,9 +2,11 @@
 of its processes SIGKILLed at a random moment; the user's rerun (only where the command died or
 failed) must end bitwise equal to the uninterrupted reference.
 
-Two studies, run alike: `solo` (one-worker trials: the Tune trial's process trains) and `pair`
-(two-worker trials: a Ray Train controller and two training workers), each with a local input
-worker process per rank (`input.workers: processes`). Every run draws, from its own seed, a
+Three studies, run alike: `solo` (one-worker trials: the Tune trial's process trains), `pair`
+(two-worker trials on reused workers, the default: the Tune trial's process and a pool actor)
+and `trainpair` (the same as a Ray Train run per trial, `reuse_workers: false`: a Ray Train
+controller and two training workers), each with a local input worker process per rank
+(`input.workers: processes`). Every run draws, from its own seed, a
 process class (uniformly from CLASSES), a study that has it, and a moment: uniform over the time
 processes of that class lived in the reference run, named by which of them (the nth of the class
 to come up) and how long after it came up, so that a run slower or faster than the reference
@@ -44,16 +46,28 @@ from tests.helpers.reliability_counts import DOC, rewrite_doc
 from tests.helpers.studies import same_nested, study_dict
 
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
-CLASSES = ("driver", "coordinator", "tune_run", "trial", "train_controller", "train_worker", "input_worker")
+CLASSES = (
+    "driver",
+    "coordinator",
+    "tune_run",
+    "trial",
+    "pool_worker",
+    "train_controller",
+    "train_worker",
+    "input_worker",
+)
 TITLES = {
     "coordinator": "ray::Coordinator",
     "tune_run": "ray::TuneRun",
     "trial": "ray::ImplicitFunc",
+    "pool_worker": "ray::PoolWorker",
     "train_controller": "ray::TrainController",
     "train_worker": "ray::RayTrainWorker",
 }
-PAIR_ONLY = ("train_controller", "train_worker")
-SELF_HEALING = ("tune_run", "trial", "train_controller", "train_worker", "input_worker")
+STUDIES = ("solo", "pair", "trainpair")
+ONLY_IN = {"pool_worker": "pair", "train_controller": "trainpair", "train_worker": "trainpair"}
+"""The study that has a class of processes that not every study has."""
+SELF_HEALING = ("tune_run", "trial", "pool_worker", "train_controller", "train_worker", "input_worker")
 """Classes whose loss the service recovers from by itself: `playbook run` should exit 0."""
 STEPS, EVERY = 600, 100
 TABLE_TIMINGS = ("updated_at", "input/exposed_fraction", "input/verdict", "input/bound")
@@ -66,13 +80,15 @@ GONE_WITHIN_S = 30  # after a command ends, its session's processes and its reap
 
 
 def study_raw(name: str, digits_dir: str, storage: str) -> dict:
-    """The `solo` or `pair` study: two trials, one at a time, a checkpoint every EVERY steps."""
-    workers = {"solo": 1, "pair": 2}[name]
+    """One of STUDIES: two trials, one at a time, a checkpoint every EVERY steps."""
+    scaling = {"num_hosts": 1, "workers_per_host": 1 if name == "solo" else 2}
+    if name == "trainpair":
+        scaling["reuse_workers"] = False
     return study_dict(
         _Path(digits_dir),
         storage,
         name=f"chaos-{name}",
-        scaling={"num_hosts": 1, "workers_per_host": workers},
+        scaling=scaling,
         input={"workers": "processes", "num_input_workers": 1},
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY, "schedule": {"kind": "constant"}},
         search={
@@ -311,7 +327,7 @@ def draw_study(seed: int, only: str | None = None) -> str:
 
 def _class_and_study(rng: random.Random, only: str | None) -> tuple[str, str]:
     cls = only or rng.choice(CLASSES)
-    return cls, "pair" if cls in PAIR_ONLY else rng.choice(("solo", "pair"))
+    return cls, ONLY_IN.get(cls) or rng.choice(STUDIES)
 
 
 @dataclasses.dataclass

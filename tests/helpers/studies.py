@@ -47,6 +47,15 @@ BASE_STUDY = {
 }
 
 
+TRIAL_LAYOUTS = {
+    "fast-path": {"num_hosts": 1, "workers_per_host": 1},
+    "pool": {"num_hosts": 1, "workers_per_host": 2},
+    "ray-train": {"num_hosts": 1, "workers_per_host": 2, "reuse_workers": False},
+}
+"""The three ways a trial trains, as `scaling` sections: one worker in its Tune trial, two on
+reused workers (the default for several), two as a Ray Train run of its own."""
+
+
 def study_dict(digits_dir, storage, **overrides) -> dict:
     """A small valid study as plain data; `overrides` replace top-level keys, and
     `training={...}` is merged into the training section."""
