@@ -146,6 +146,13 @@ GOALS = {
         "fixed cost per trial (s) of a 1,000-trial study on the local cluster; raw: the study, "
         "the 4-node multi-host trial",
     ),
+    "two_host_trial_fixed_s": (
+        "<=",
+        2.0,
+        "fixed cost per trial (s) of a round of two-host x one-worker trials (pooled workers) on a "
+        "simulated 8-node cluster, 4 at once: wall x concurrency / trials - the trial's step loop; raw: "
+        "trials/s, coordinator and TuneRun RSS growth per trial, what is alive at the end",
+    ),
 }
 
 
