@@ -44,16 +44,18 @@ class StoreReporter:
         return self.store.latest_state()
 
 
-def trial_store(plan: TrialPlan) -> CheckpointStore:
+def trial_store(plan: TrialPlan, rank: int = 0) -> CheckpointStore:
+    """The trial's checkpoints; only rank 0's store, the one that saves, clears what a crashed
+    save left."""
     tr = plan.study.training
-    return CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode)
+    return CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, clean=rank == 0)
 
 
 def rank_store(plan: TrialPlan, rank: int) -> CheckpointStore:
     """Where this rank's checkpoints go: its shards of every checkpoint under `fsdp` (every
     rank saves), else the trial's store (rank 0 saves, every rank resumes from it)."""
     if plan.study.scaling.strategy != "fsdp":
-        return trial_store(plan)
+        return trial_store(plan, rank)
     tr = plan.study.training
     return ShardedCheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, rank)
 

@@ -22,6 +22,7 @@ started for every trial (docs/performance.md).
   restarts the trial in a new process with a new pool; it resumes from its latest complete
   checkpoint on storage, which every rank reads. The run's other trials keep their pools.
 """
+
 from __future__ import annotations
 
 import datetime
