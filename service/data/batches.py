@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 Batch = dict[str, torch.Tensor]
+_from_numpy = torch.from_numpy
 
 
 class Rows:
@@ -33,12 +34,17 @@ class Shuffled(Rows):
         super().__init__(tensors)
         self.order = order
         self.arrays = {k: _numpy_view(v) for k, v in tensors.items()}
+        self.views = None if any(a is None for a in self.arrays.values()) else list(self.arrays.items())
+        """(name, numpy view) of each tensor when numpy has all their dtypes: a batch is then a
+        numpy `take` per tensor and nothing else (this runs once per batch)."""
 
     def __len__(self) -> int:
         return len(self.order)
 
     def take(self, lo: int, hi: int) -> Batch:
         rows = self.order[lo:hi]
+        if self.views is not None:
+            return {k: _from_numpy(a.take(rows, 0)) for k, a in self.views}
         return {k: _gather(v, self.arrays[k], rows) for k, v in self.tensors.items()}
 
 

@@ -165,11 +165,13 @@ class ParquetReader:
         fs, path = storage.split(uri)
         try:
             # Local files through pyarrow's own file (a window decodes faster than through a
-            # Python file object, docs/performance.md), read as the decoder asks (pre-buffering
-            # a row group's column chunks first costs a copy); any other storage through
-            # fsspec, read on the calling thread (see `read_row_group`).
-            source = path if is_local(uri) else fs.open(path, "rb")
-            pf = pq.ParquetFile(source, metadata=footer)
+            # Python file object, docs/performance.md), memory-mapped: the decoder reads the
+            # column chunks in place, where a read copies them from the page cache into a
+            # buffer first (on Arrow's I/O threads; pre-buffering costs that copy too). Any
+            # other storage through fsspec, read on the calling thread (see `read_row_group`).
+            local = is_local(uri)
+            source = path if local else fs.open(path, "rb")
+            pf = pq.ParquetFile(source, metadata=footer, memory_map=local)
         except (OSError, pa.ArrowException) as e:
             raise unreadable(uri, e) from None
         try:

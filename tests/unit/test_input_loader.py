@@ -122,6 +122,25 @@ def test_bytes_read_exclude_the_unused_column(tmp_path):
     assert CountingFileSystem.bytes_read < junk_bytes / 5
 
 
+def process_bytes_read() -> int:
+    """Bytes this process has read by read(2) and its kin so far (from the page cache or not)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_a_local_row_group_is_decoded_in_place_from_a_memory_map(tmp_path):
+    path = tmp_path / "a.parquet"
+    write(path, digit_table(range(4000)), row_group_size=4000)
+    columns = list(Digits().columns)
+    reader = ParquetReader(tuple(columns))
+    reader.row_group_sizes(str(path))  # the footer, read once and kept
+    before = process_bytes_read()
+    table = reader.read_row_group(str(path), 0)
+    # Read rather than mapped, its column chunks (nearly the whole file) would be copied first.
+    assert process_bytes_read() - before < os.path.getsize(path) / 20
+    assert table.equals(pq.read_table(path, columns=columns))
+
+
 # ---------------------------------------------------------------------------- order
 
 
