@@ -10,6 +10,8 @@
   guarantees, from rank 0's metrics log (`multihost/reduce_s`, `multihost/bn_sync_s`, timed in
   the loop), the cost of the rank-0 gate itself, and what the trial creates (actors, placement
   groups, Ray worker processes), sampled while it runs.
+* two_host_round (issue 39, its own module): a round of `TWO_HOST_TRIALS` two-host pooled trials
+  on a simulated 8-node cluster; its own figure, `two_host_trial_fixed_s`.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ def rss_growth_per_trial(samples: list[dict]) -> float:
     """Least-squares slope of the coordinator's resident bytes against trials done (samples
     from the first quarter of the study on: start-up allocations excluded)."""
     start = STUDY_TRIALS // 4
-    points = [(x["done"], x["rss_bytes"]) for x in samples if x["rss_bytes"] and x["done"] >= start]
+    return slope([(x["done"], x["rss_bytes"]) for x in samples if x["rss_bytes"] and x["done"] >= start])
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y against x over `points` (x, y); nan without two distinct x."""
     if len(points) < 2:
         return float("nan")
     mx = statistics.fmean(d for d, _ in points)
@@ -121,7 +127,16 @@ class Sampler:
         return [s for s in self.samples if "error" not in s]
 
 
-def study_spec(data: str, storage: str, name: str, num_trials: int, steps: int, scaling: dict | None = None):
+def study_spec(
+    data: str,
+    storage: str,
+    name: str,
+    num_trials: int,
+    steps: int,
+    scaling: dict | None = None,
+    concurrency: int = STUDY_CONCURRENCY,
+    trials_per_tune_run: int = STUDY_TRIALS_PER_TUNE_RUN,
+):
     from service.study import spec
 
     return spec.load_dict(
@@ -155,8 +170,8 @@ def study_spec(data: str, storage: str, name: str, num_trials: int, steps: int, 
                 {
                     "name": "r",
                     "num_trials": num_trials,
-                    "max_concurrent_trials": STUDY_CONCURRENCY,
-                    "trials_per_tune_run": STUDY_TRIALS_PER_TUNE_RUN,
+                    "max_concurrent_trials": concurrency,
+                    "trials_per_tune_run": trials_per_tune_run,
                 }
             ],
         }
@@ -348,6 +363,7 @@ def rank0_gate_s() -> float:
 
 
 def run() -> dict:
+    from bench import two_host_round
     from service.data.builtin import write_digits
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
@@ -357,7 +373,11 @@ def run() -> dict:
         multihost = measure_multihost(tmp)
     # No goal in issue 11 for these: the figure's value is the fixed cost per trial, its goal
     # the informational "< inf" (it always passes; the numbers are in raw).
-    return {"cluster": figure("cluster", study["fixed_cost_per_trial_s"], study=study, multihost=multihost)}
+    return {
+        "cluster": figure("cluster", study["fixed_cost_per_trial_s"], study=study, multihost=multihost),
+        # issue 39: a round of two-host trials on a simulated 8-node cluster (TWO_HOST_TRIALS).
+        **two_host_round.run(),
+    }
 
 
 if __name__ == "__main__":
