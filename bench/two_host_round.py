@@ -81,29 +81,60 @@ def rate_by_quarter(samples: list[dict], trials: int) -> list[float]:
     return rates
 
 
-def memory(samples: list[dict]) -> dict:
+def run_size(trials: int) -> int:
+    """Trials per Tune run, as the coordinator splits a round without `trials_per_tune_run`."""
+    from service.orchestration.coordinator import MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS
+
+    return min(trials, max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS * CONCURRENCY))
+
+
+def memory(samples: list[dict], trials: int) -> dict:
+    """The coordinator's resident memory against trials done, and each Tune run's: the
+    `TuneRun` processes in the order they appear (the next run's is started while one runs),
+    each over the trials of its run only."""
     coordinator = [(x["done"], x["coordinator_rss"]) for x in samples if x["coordinator_rss"]]
-    runs: dict[int, list[tuple[int, int]]] = {}
+    pids: list[int] = []
     for x in samples:
-        for pid, rss in x["tune_run_rss"].items():
-            if rss:
-                runs.setdefault(pid, []).append((x["done"], rss))
-    mb = 2**20
+        pids += [p for p in x["tune_run_rss"] if p not in pids]
+    size, mb = run_size(trials), 2**20
+    runs = []
+    for k, pid in enumerate(pids[: -(-trials // size)]):
+        lo, hi = k * size, min((k + 1) * size, trials)
+        points = [(x["done"], x["tune_run_rss"].get(pid)) for x in samples if lo <= x["done"] <= hi]
+        points = [(d, r) for d, r in points if r]
+        if points:
+            runs.append(
+                {
+                    "trials": [lo, hi],
+                    "rss_first_mb": round(points[0][1] / mb, 1),
+                    "rss_last_mb": round(points[-1][1] / mb, 1),
+                    "rss_per_trial_kb": growth(points) / 1024,
+                }
+            )
+    by_quarter = [0.0] * 4
+    for d, r in coordinator:
+        q = min(4 * d // trials, 3)
+        by_quarter[q] = max(by_quarter[q], round(r / mb, 1))
     return {
         "coordinator_rss_first_mb": coordinator[0][1] / mb if coordinator else float("nan"),
         "coordinator_rss_last_mb": coordinator[-1][1] / mb if coordinator else float("nan"),
+        "coordinator_rss_peak_by_quarter_mb": by_quarter,
         "coordinator_rss_per_trial_kb": growth(coordinator) / 1024,
-        # One entry per Tune run (its own process): trials done over its life, its memory.
-        "tune_runs": [
-            {
-                "trials_seen": p[-1][0] - p[0][0],
-                "rss_first_mb": round(p[0][1] / mb, 1),
-                "rss_last_mb": round(p[-1][1] / mb, 1),
-                "rss_per_trial_kb": growth(p) / 1024,
-            }
-            for p in runs.values()
-        ],
+        "trials_per_tune_run": size,
+        "tune_runs": runs,
+        "tune_run_switch_s": switch_times(samples, trials, size),
     }
+
+
+def switch_times(samples: list[dict], trials: int, size: int) -> list[float]:
+    """Seconds from each Tune run's last trial done to the next run's first (the next run's
+    start: its trial processes and their pools, started anew)."""
+    out = []
+    for b in range(size, trials, size):
+        a = next((x["t"] for x in samples if x["done"] >= b), None)
+        c = next((x["t"] for x in samples if x["done"] > b), None)
+        out.append(round(c - a, 1) if a is not None and c is not None else float("nan"))
+    return out
 
 
 def settled_census(cluster) -> dict:
@@ -175,7 +206,7 @@ def measure(tmp: str, trials: int) -> dict:
         "fixed_cost_per_trial_s": per_trial_s - loop_s,
         # The same at the steady rate (start-up excluded: the first Tune run and its pools).
         "fixed_cost_per_trial_steady_s": CONCURRENCY / steady - loop_s if steady else float("nan"),
-        **memory(samples),
+        **memory(samples, trials),
         "alive_at_end": census,
     }
 
