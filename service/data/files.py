@@ -167,8 +167,10 @@ class ParquetReader:
             # Local files through pyarrow's own file (a window decodes faster than through a
             # Python file object, docs/performance.md), memory-mapped: the decoder reads the
             # column chunks in place, where a read copies them from the page cache into a
-            # buffer first (on Arrow's I/O threads; pre-buffering costs that copy too). Any
-            # other storage through fsspec, read on the calling thread (see `read_row_group`).
+            # buffer first (on Arrow's I/O threads; pre-buffering costs that copy too). A file
+            # is mapped for one read: one cut short during that read ends the process (SIGBUS)
+            # where a read would raise an error naming it. Any other storage through fsspec,
+            # read on the calling thread (see `read_row_group`).
             local = is_local(uri)
             source = path if local else fs.open(path, "rb")
             pf = pq.ParquetFile(source, metadata=footer, memory_map=local)
