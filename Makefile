@@ -51,8 +51,10 @@ bench: setup
 bench-scale: setup
 	$(PY) -m bench.run --only coordinator_memory
 
-# Only the 1,000-trial study and the 4-node simulated cluster (issue 11; left out of `bench`,
-# whose tables show their last stored figures with their date).
+# Only the 1,000-trial study and the 4-node simulated cluster (issue 11), and a round of
+# TWO_HOST_TRIALS two-host trials on a simulated 8-node cluster (issue 39; default 2,000:
+# `make bench-cluster TWO_HOST_TRIALS=40` for a short one). Left out of `bench`, whose tables
+# show their last stored figures with their date.
 bench-cluster: setup
 	$(PY) -m bench.run --only cluster
 
