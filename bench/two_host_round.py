@@ -29,6 +29,9 @@ TWO_HOST_TRIALS = 2000
 NODES, STEPS = 8, 8
 CONCURRENCY = NODES // 2  # each trial holds two 1-CPU nodes (STRICT_SPREAD: one worker per host)
 SETTLE_S = 30.0  # how long the end census waits for the study's actors to go
+ACTIVE_TUNE_RUN = "ray::TuneRun.fit"
+TRIAL_PROCESSES = ("ray::ImplicitFunc", "ray::PoolWorker")
+"""A trial's two ranks: its Tune trial's process (rank 0) and its pool's worker, reused trial after trial."""
 STUDY_PROCESSES = ("ray::Coordinator", "ray::TuneRun", "ray::ImplicitFunc", "ray::PoolWorker")
 """The study's own processes (a Tune trial's is titled ray::ImplicitFunc); none should outlive it."""
 
@@ -43,7 +46,8 @@ def trials_wanted() -> int:
 
 def sampler(cluster, trials_dir: str) -> Sampler:
     """Per sample: trials done (metrics log written), the coordinator's resident bytes and each
-    TuneRun process's (by pid: a Tune run's actor ends with its run)."""
+    TuneRun process's and each trial process's (by pid: a Tune run's actor ends with its run, its
+    trial processes and pools too)."""
     raylets = raylet_pids(cluster.list_all_nodes())
 
     def sample():
@@ -54,7 +58,9 @@ def sampler(cluster, trials_dir: str) -> Sampler:
             "t": time.perf_counter(),
             "done": done,
             "coordinator_rss": sum(rss_bytes(p) or 0 for p in coordinator),
-            "tune_run_rss": {p: rss_bytes(p) or 0 for p, c in tree.items() if c.startswith("ray::TuneRun")},
+            # The TuneRun running its Tune run (titled by its method; the spare is idle).
+            "tune_run_rss": {p: rss_bytes(p) or 0 for p, c in tree.items() if c.startswith(ACTIVE_TUNE_RUN)},
+            "trial_rss": {p: rss_bytes(p) or 0 for p, c in tree.items() if c.startswith(TRIAL_PROCESSES)},
         }
 
     return Sampler(sample, 0.5)
@@ -89,28 +95,24 @@ def run_size(trials: int) -> int:
 
 
 def memory(samples: list[dict], trials: int) -> dict:
-    """The coordinator's resident memory against trials done, and each Tune run's: the
-    `TuneRun` processes in the order they appear (the next run's is started while one runs),
-    each over the trials of its run only."""
+    """The coordinator's resident memory against trials done, and each Tune run's: its
+    `TuneRun` process while it runs the run (the next run's is started idle while one runs)."""
     coordinator = [(x["done"], x["coordinator_rss"]) for x in samples if x["coordinator_rss"]]
-    pids: list[int] = []
+    by_pid: dict[int, list[tuple[int, int]]] = {}
     for x in samples:
-        pids += [p for p in x["tune_run_rss"] if p not in pids]
+        for pid, rss in x["tune_run_rss"].items():
+            if rss:
+                by_pid.setdefault(pid, []).append((x["done"], rss))
     size, mb = run_size(trials), 2**20
-    runs = []
-    for k, pid in enumerate(pids[: -(-trials // size)]):
-        lo, hi = k * size, min((k + 1) * size, trials)
-        points = [(x["done"], x["tune_run_rss"].get(pid)) for x in samples if lo <= x["done"] <= hi]
-        points = [(d, r) for d, r in points if r]
-        if points:
-            runs.append(
-                {
-                    "trials": [lo, hi],
-                    "rss_first_mb": round(points[0][1] / mb, 1),
-                    "rss_last_mb": round(points[-1][1] / mb, 1),
-                    "rss_per_trial_kb": growth(points) / 1024,
-                }
-            )
+    runs = [
+        {
+            "trials_done": [p[0][0], p[-1][0]],
+            "rss_first_mb": round(p[0][1] / mb, 1),
+            "rss_last_mb": round(p[-1][1] / mb, 1),
+            "rss_per_trial_kb": growth(p) / 1024,
+        }
+        for p in by_pid.values()
+    ]
     by_quarter = [0.0] * 4
     for d, r in coordinator:
         q = min(4 * d // trials, 3)
@@ -123,6 +125,25 @@ def memory(samples: list[dict], trials: int) -> dict:
         "trials_per_tune_run": size,
         "tune_runs": runs,
         "tune_run_switch_s": switch_times(samples, trials, size),
+        **trial_process_memory(samples),
+    }
+
+
+def trial_process_memory(samples: list[dict]) -> dict:
+    """The trial processes (ranks 0 and 1, reused through a Tune run): the median over them of
+    their resident memory's growth per trial of the round, over the processes that saw 50
+    trials or more, and the largest resident size seen."""
+    by_pid: dict[int, list[tuple[int, int]]] = {}
+    for x in samples:
+        for pid, rss in x["trial_rss"].items():
+            if rss:
+                by_pid.setdefault(pid, []).append((x["done"], rss))
+    long_lived = [p for p in by_pid.values() if p[-1][0] - p[0][0] >= 50]
+    slopes = [growth(p) / 1024 for p in long_lived]
+    return {
+        "trial_processes_seen": len(by_pid),
+        "trial_process_rss_max_mb": max((r for p in by_pid.values() for _, r in p), default=0) / 2**20,
+        "trial_process_rss_per_trial_kb": statistics.median(slopes) if slopes else float("nan"),
     }
 
 
