@@ -107,23 +107,29 @@ def raylet_pids(nodes) -> list[int]:
 
 
 class Sampler:
-    """Calls `sample()` every `interval_s` on a thread until stopped; keeps every result."""
+    """Calls `sample()` every `interval_s` on a thread until stopped, and once more then; keeps
+    every result."""
 
     def __init__(self, sample, interval_s: float):
-        self.samples, self._stop = [], threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(sample, interval_s), daemon=True)
+        self.samples, self._sample, self._stop = [], sample, threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._thread.start()
 
-    def _run(self, sample, interval_s):
+    def _run(self, interval_s):
         while not self._stop.wait(interval_s):
-            try:
-                self.samples.append(sample())
-            except Exception as e:  # a sample racing a process's exit: skip it
-                self.samples.append({"error": repr(e)})
+            self._take()
+
+    def _take(self):
+        try:
+            self.samples.append(self._sample())
+        except Exception as e:  # a sample racing a process's exit: skip it
+            self.samples.append({"error": repr(e)})
 
     def stop(self) -> list:
+        """Stop, take a last sample (what the measured work left at its end), return them all."""
         self._stop.set()
         self._thread.join()
+        self._take()
         return [s for s in self.samples if "error" not in s]
 
 
@@ -262,7 +268,7 @@ def measure_study(tmp: str) -> dict:
         "coordinator_cpu_per_trial_ms": 1e3 * driving_cpu / STUDY_TRIALS,
         "coordinator_alone_cpu_per_trial_ms": 1e3 * coordinator_cpu / STUDY_TRIALS,
         "coordinator_share_of_fixed_cost": driving_cpu / STUDY_TRIALS / (per_trial_s - loop_s),
-        "coordinator_pid_found": bool(samples and samples[-1]["pids"]),
+        "coordinator_pid_found": any(s["pids"] for s in samples),
         "tune_run_rss_peak_mb": max((x["tune_run_rss_bytes"] for x in samples), default=0) / 2**20,
         # The coordinator's memory (our rows; Tune runs elsewhere) against trials done.
         "coordinator_rss_at_quarter_mb": quarter["rss_bytes"] / 2**20,
