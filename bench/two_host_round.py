@@ -4,10 +4,11 @@ is a `PoolWorker` reused trial after trial), on a simulated cluster (`ray.cluste
 a head with no CPUs, `NODES` nodes of one CPU each, so `NODES / 2` trials run at once).
 
 Figure `two_host_trial_fixed_s`: wall time x concurrency / trials - the trial's own step loop
-(from its metrics log, as `bench.trial_overhead.loop_seconds`). Raw: trials/s, the resident
-memory of the coordinator and of each TuneRun actor sampled against trials done with its
-least-squares growth per trial, and what Ray counts alive once the study has returned (actors,
-placement groups, worker processes).
+(from its metrics log, as `bench.trial_overhead.loop_seconds`). Raw: trials/s (overall, steady,
+by quarter), the seconds between one Tune run's last trial and the next run's first, the
+resident memory of the coordinator, of each TuneRun actor and of the trial processes sampled
+against trials done with its least-squares growth per trial, and what Ray counts alive once
+the study has returned (actors, placement groups, worker processes).
 
     python -m bench.two_host_round [--trials N]   (default: TWO_HOST_TRIALS env var, else 2,000)
 """
@@ -131,8 +132,8 @@ def memory(samples: list[dict], trials: int) -> dict:
 
 def trial_process_memory(samples: list[dict]) -> dict:
     """The trial processes (ranks 0 and 1, reused through a Tune run): the median over them of
-    their resident memory's growth per trial of the round, over the processes that saw 50
-    trials or more, and the largest resident size seen."""
+    their resident memory's growth per trial of the round (each process runs 1/CONCURRENCY of
+    them), over the processes that saw 50 trials or more, and the largest resident size seen."""
     by_pid: dict[int, list[tuple[int, int]]] = {}
     for x in samples:
         for pid, rss in x["trial_rss"].items():
@@ -244,7 +245,7 @@ def run(trials: int | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", type=int, default=None, help="trials in the round (default: %(default)s)")
+    p.add_argument("--trials", type=int, help="trials in the round (default: $TWO_HOST_TRIALS, else 2,000)")
     args = p.parse_args(argv)
     if args.trials is not None and args.trials < 1:
         p.error("--trials must be at least 1")
