@@ -70,6 +70,7 @@ def train_rank(
 ) -> list[tuple[str, dict]]:
     """Train (or resume) one rank of a trial that keeps its checkpoints itself, holding the
     trial's `attempt` (`distributed.fence`); returns its kept checkpoints (URI, meta)."""
+    torch.set_num_threads(max(1, int(plan.study.scaling.cpus_per_worker)))
     fence.hold(attempt)
     store = rank_store(plan, topo.world_rank)
     saver = None
@@ -92,7 +93,6 @@ def train_in_trial(
 ) -> list[tuple[str, dict]]:
     """Train (or resume) the trial in this process, as world rank 0 of `topo` (a pooled trial,
     `worker_pool`, whose `attempt` it claimed) or alone; returns its kept checkpoints (URI, meta)."""
-    torch.set_num_threads(max(1, int(plan.study.scaling.cpus_per_worker)))
     # a stranded earlier attempt of this trial writes nothing from now on
     attempt = attempt or fence.claim(plan.trial_uri)
     topo = topo or Topology(node_id=ray.get_runtime_context().get_node_id())

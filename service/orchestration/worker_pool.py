@@ -30,7 +30,6 @@ import socket
 import threading
 
 import ray
-import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
@@ -97,11 +96,9 @@ class PoolWorker:
         join_group(scaling, address, rank, world_size)
 
     def train(self, plan: TrialPlan, topo: Topology, attempt: fence.Attempt) -> None:
-        scaling = plan.study.scaling
-        torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
         # World ranks 1..: rank 0 reports to Tune (and keeps a DDP trial's checkpoints).
-        source = launch.batch_source(plan.study)
-        fast_path.train_rank(plan, topo, fast_path.trial_device(scaling), source, None, attempt)
+        device = fast_path.trial_device(plan.study.scaling)
+        fast_path.train_rank(plan, topo, device, launch.batch_source(plan.study), None, attempt)
 
 
 class WorkerPool:

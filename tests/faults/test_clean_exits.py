@@ -21,7 +21,7 @@ from service.cli.prepare import TRAIN_POLL_ENV, TRAIN_POLL_S
 from service.study import spec
 from service.tracking.trial_table import TrialTable
 from tests.helpers.processes import EnvironWatcher
-from tests.helpers.studies import study_dict
+from tests.helpers.studies import TRIAL_LAYOUTS, study_dict
 
 VALIDATE_RUNS = 30
 AT_ONCE = 3  # runs side by side: a loaded machine is where the abort showed (1 run in 7)
@@ -167,20 +167,19 @@ def test_status_into_a_closed_pipe_exits_without_a_traceback(digits_dir, tmp_pat
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("reuse", [True, False], ids=["pool", "ray-train"])
-def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir, tmp_path, reuse):
+@pytest.mark.parametrize("layout", ["pool", "ray-train"])
+def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir, tmp_path, layout):
     """A 2-worker study run by the CLI with its own local Ray while another Ray (this test
     session's) runs on the machine, on a pool of reused workers (the default) and as a Ray Train
     run (`reuse_workers: false`): Ray Train's placement-group cleaner found two and printed
     tracebacks, and every worker printed torch's `broadcast_buffers` FutureWarning. A Ray Train
     trial's controller polls its workers at the service's interval, not Ray's 2 s (a report
     waits for the poll: every evaluation waited for it); a pooled trial starts no controller."""
-    scaling = {"num_hosts": 1, "workers_per_host": 2, "cpus_per_worker": 0.5}
     raw = study_dict(
         digits_dir,
         tmp_path / "storage",
         name="quiet",
-        scaling=scaling if reuse else {**scaling, "reuse_workers": False},
+        scaling={**TRIAL_LAYOUTS[layout], "cpus_per_worker": 0.5},
         rounds=[{"name": "explore", "num_trials": 1}],
     )
     study_file = tmp_path / "study.yaml"
@@ -195,7 +194,7 @@ def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir
     for noise in ("Traceback", "FutureWarning", "Exception ignored", "Error"):
         assert noise not in text, text[-4000:]
     intervals = [e.get(TRAIN_POLL_ENV) for e in controllers.seen.values()]
-    assert intervals == ([] if reuse else [TRAIN_POLL_S])
+    assert intervals == ([TRAIN_POLL_S] if layout == "ray-train" else [])
 
 
 EXIT_IN_A_WEAKREF_CALLBACK = """

@@ -43,7 +43,7 @@ from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.playbook_process import output, start_run, titles, watchers_of
 from tests.helpers.processes import kill_session, session_pids
 from tests.helpers.reliability_counts import DOC, rewrite_doc
-from tests.helpers.studies import same_nested, study_dict
+from tests.helpers.studies import TRIAL_LAYOUTS, same_nested, study_dict
 
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 CLASSES = (
@@ -64,7 +64,9 @@ TITLES = {
     "train_controller": "ray::TrainController",
     "train_worker": "ray::RayTrainWorker",
 }
-STUDIES = ("solo", "pair", "trainpair")
+STUDY_LAYOUTS = {"solo": "fast-path", "pair": "pool", "trainpair": "ray-train"}
+"""Each study's trial layout (`studies.TRIAL_LAYOUTS`)."""
+STUDIES = tuple(STUDY_LAYOUTS)
 ONLY_IN = {"pool_worker": "pair", "train_controller": "trainpair", "train_worker": "trainpair"}
 """The study that has a class of processes that not every study has."""
 SELF_HEALING = ("tune_run", "trial", "pool_worker", "train_controller", "train_worker", "input_worker")
@@ -81,14 +83,11 @@ GONE_WITHIN_S = 30  # after a command ends, its session's processes and its reap
 
 def study_raw(name: str, digits_dir: str, storage: str) -> dict:
     """One of STUDIES: two trials, one at a time, a checkpoint every EVERY steps."""
-    scaling = {"num_hosts": 1, "workers_per_host": 1 if name == "solo" else 2}
-    if name == "trainpair":
-        scaling["reuse_workers"] = False
     return study_dict(
         _Path(digits_dir),
         storage,
         name=f"chaos-{name}",
-        scaling=scaling,
+        scaling=TRIAL_LAYOUTS[STUDY_LAYOUTS[name]],
         input={"workers": "processes", "num_input_workers": 1},
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY, "schedule": {"kind": "constant"}},
         search={
