@@ -167,18 +167,26 @@ def run_round(trainable, param_space: dict, tune_dir: str, name: str) -> tuple[f
     return wall, results
 
 
-def pooled_round(data: str, storage: str, tune_dir: str) -> dict:
-    """A round of ROUND_TRIALS two-worker trials on a reused pool (`scaling.reuse_workers`), on
-    this 2-CPU cluster: its wall time, the trials' step-loop time, and the fixed cost per trial
-    (the rest, over the trials)."""
+def service_round(data: str, storage: str, tune_dir: str, name: str, scaling: dict, trials: int):
+    """A round of `trials` of the service's trials with `scaling`, run as `run_round` runs one:
+    (study, trial names, wall time, the trials' results)."""
     from ray import tune
 
     from service.orchestration.tune_run import study_trainable
 
-    study = service_study(data, storage, "bench-multiworker", {"num_hosts": 1, "workers_per_host": 2})
-    names = [f"m-{i:04d}" for i in range(ROUND_TRIALS)]
+    study = service_study(data, storage, f"bench-{name}", scaling)
+    names = [f"{name}-{i:04d}" for i in range(trials)]
     space = {"trial": tune.grid_search([trial_config(n) for n in names])}
-    wall, results = run_round(study_trainable(study), space, tune_dir, "multiworker")
+    wall, results = run_round(study_trainable(study), space, tune_dir, name)
+    return study, names, wall, results
+
+
+def pooled_round(data: str, storage: str, tune_dir: str) -> dict:
+    """A round of ROUND_TRIALS two-worker trials, nothing set but the layout (a reused pool), on
+    this 2-CPU cluster: its wall time, the trials' step-loop time, and the fixed cost per trial
+    (the rest, over the trials)."""
+    layout = {"num_hosts": 1, "workers_per_host": 2}
+    study, names, wall, results = service_round(data, storage, tune_dir, "multiworker", layout, ROUND_TRIALS)
     loop = sum(loop_seconds(study, n) for n in names)
     return {
         "multiworker_overhead_s": (wall - loop) / ROUND_TRIALS,
@@ -191,15 +199,9 @@ def pooled_round(data: str, storage: str, tune_dir: str) -> dict:
 
 def ray_train_round_waits(data: str, storage: str, tune_dir: str) -> list[float]:
     """`eval_waits` of a round of RAY_TRAIN_TRIALS two-worker Ray Train runs, for context."""
-    from ray import tune
-
-    from service.orchestration.tune_run import study_trainable
-
     layout = {"num_hosts": 1, "workers_per_host": 2, "reuse_workers": False}
-    study = service_study(data, storage, "bench-multiworker-train", layout)
-    names = [f"t-{i:04d}" for i in range(RAY_TRAIN_TRIALS)]
-    space = {"trial": tune.grid_search([trial_config(n) for n in names])}
-    return eval_waits(run_round(study_trainable(study), space, tune_dir, "multiworker-train")[1])
+    _, _, _, results = service_round(data, storage, tune_dir, "multiworker-train", layout, RAY_TRAIN_TRIALS)
+    return eval_waits(results)
 
 
 BUSY = ("multihost/reduce_s", "multihost/bn_sync_s", "eval_s", "checkpoint_s")
