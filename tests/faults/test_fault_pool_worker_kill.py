@@ -89,22 +89,37 @@ def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
     return reference, {r["trial_name"]: r for r in run_study(reference)}
 
 
-def kill_mid_run(study, runner: threading.Thread, rank: int) -> dict:
-    """SIGKILL world rank `rank` of KILLED once it has a complete checkpoint, while OTHER still
-    trains: what was there then (the killed ranks, the last committed and logged steps, OTHER's
-    ranks)."""
+def wait_for(runner: threading.Thread, ready, what: str) -> None:
     deadline = time.time() + 300
-    while runner.is_alive() and time.time() < deadline:
-        if complete_steps(study, KILLED) and log(study, OTHER):
-            killed = ranks(study, KILLED)
-            seen = {"killed": killed, "persisted": max(complete_steps(study, KILLED))}
-            seen["other"] = ranks(study, OTHER)
-            os.kill(killed[rank]["pid"], signal.SIGKILL)
-            seen["killed_after"] = log(study, KILLED)[-1]["step"]
-            seen["other_after"] = log(study, OTHER)[-1]["step"]
-            return seen
+    while not ready():
+        if not runner.is_alive() or time.time() > deadline:
+            raise AssertionError(f"never saw {what}")
         time.sleep(0.05)
-    raise AssertionError("the trials were never both running with a checkpoint")
+
+
+def signal_ranks(seen_ranks: list[dict], sig: int) -> None:
+    for r in seen_ranks:
+        os.kill(r["pid"], sig)
+
+
+def kill_mid_run(study, runner: threading.Thread, rank: int) -> dict:
+    """SIGKILL world rank `rank` of KILLED once it has a complete checkpoint, while OTHER trains.
+    Each trial's ranks are SIGSTOPped while the test reads where it is, so neither can finish
+    between that reading and the kill, however late one trial starts after the other. Returns
+    what was there then: the killed ranks, KILLED's last committed and logged steps, OTHER's ranks
+    and last logged step."""
+    wait_for(runner, lambda: complete_steps(study, KILLED), f"a complete checkpoint of {KILLED}")
+    killed = ranks(study, KILLED)
+    signal_ranks(killed, signal.SIGSTOP)
+    seen = {"killed": killed, "persisted": max(complete_steps(study, KILLED))}
+    seen["killed_after"] = log(study, KILLED)[-1]["step"] if log(study, KILLED) else 0
+    wait_for(runner, lambda: log(study, OTHER), f"a logged step of {OTHER}")
+    seen["other"] = ranks(study, OTHER)
+    signal_ranks(seen["other"], signal.SIGSTOP)
+    seen["other_after"] = log(study, OTHER)[-1]["step"]
+    os.kill(killed[rank]["pid"], signal.SIGKILL)
+    signal_ranks([r for r in killed if r["world_rank"] != rank] + seen["other"], signal.SIGCONT)
+    return seen
 
 
 def assert_same_trial(study, reference, trial: str, row: dict, ref_row: dict) -> None:
@@ -133,7 +148,9 @@ def test_a_killed_pool_rank_restarts_only_its_own_trial(uninterrupted, digits_di
 
     restarted = ranks(study, KILLED)
     assert {r["pid"] for r in restarted}.isdisjoint(r["pid"] for r in seen["killed"])  # a new pool
-    assert seen["persisted"] <= restarted[0]["resumed_from_step"] <= seen["killed_after"]
+    # From its latest complete checkpoint: committed before the kill, or one a save in flight then
+    # committed after it, at most one eval interval past the last logged step.
+    assert seen["persisted"] <= restarted[0]["resumed_from_step"] <= seen["killed_after"] + EVERY
     assert restarted[0]["resumed_from_step"] == restarted[1]["resumed_from_step"]
     assert attempt(study, KILLED) == 2
     # The other trial trained on through the kill: its one attempt, on its own pool throughout.
