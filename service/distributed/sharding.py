@@ -39,19 +39,30 @@ def is_dtensor(value) -> bool:
     return cls is not None and isinstance(value, cls)
 
 
+_meshes: dict[tuple, tuple] = {}
+"""Meshes made in this process, by (device type, shape): (the default process group they were
+made over, the mesh). init_device_mesh makes a process group per dimension of a 2-D mesh, and
+nothing ends them before the default group ends; a reused pool's next trial takes the mesh it
+already has instead of gathering two more groups per trial."""
+
+
 def device_mesh(device, shard_group_size: int | None = None) -> DeviceMesh:
     """Every rank of the default process group, as a 1-D mesh (FSDP) or, with a shard group
     smaller than the world, as (replicas, shard_group_size) with consecutive ranks in a group
-    (HSDP: a host's workers hold consecutive world ranks, `topology.placement`)."""
+    (HSDP: a host's workers hold consecutive world ranks, `topology.placement`). The same mesh
+    again for the same layout while the default group lasts."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     device_type = torch.device(device).type
-    if shard_group_size is None or shard_group_size == world:
-        return init_device_mesh(device_type, (world,))
-    return init_device_mesh(
-        device_type, (world // shard_group_size, shard_group_size), mesh_dim_names=MESH_DIMS
-    )
+    hsdp = shard_group_size is not None and shard_group_size != world
+    shape = (world // shard_group_size, shard_group_size) if hsdp else (world,)
+    made = _meshes.get((device_type, shape))
+    if made is not None and made[0] is dist.group.WORLD:
+        return made[1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS if hsdp else None)
+    _meshes[(device_type, shape)] = (dist.group.WORLD, mesh)
+    return mesh
 
 
 def shard_model(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, param_dtype=None) -> nn.Module:
