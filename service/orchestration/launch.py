@@ -23,7 +23,7 @@ from service.distributed.checkpoint import TrialState
 from service.distributed.topology import Topology, rank_topology
 from service.orchestration import fast_path
 from service.orchestration.ray_private import final_error_of, report_to_tune, trainer_class
-from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers
+from service.orchestration.tune_run import is_fast_path, placement_strategy, reuses_workers, worker_env
 from service.orchestration.worker_console import (
     log_known_warnings,
     quiet_exit_on_sigterm,
@@ -166,11 +166,6 @@ def torch_config(scaling):
     from ray.train.torch import TorchConfig
 
     return TorchConfig(timeout_s=scaling.collective_timeout_s)
-
-
-def worker_env(scaling) -> dict[str, str]:
-    """A training worker's environment: its threads, and the storage settings of the driver."""
-    return {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker))), **storage.forwarded_env()}
 
 
 def trainer_for(plan: TrialPlan, in_tune: bool):

@@ -100,6 +100,11 @@ def placement_strategy(scaling) -> str:
     return "PACK"
 
 
+def worker_env(scaling) -> dict[str, str]:
+    """A training worker's environment: its threads, and the storage settings of the driver."""
+    return {"OMP_NUM_THREADS": str(int(max(1, scaling.cpus_per_worker))), **storage.forwarded_env()}
+
+
 def trial_resources(study: Study):
     """What a Tune trial reserves: a fast-path trial its one worker's CPUs (and GPU); a
     pooled trial one bundle per worker (world rank 0 is the trial's own process, in the first);
@@ -115,7 +120,13 @@ def trial_resources(study: Study):
 
 def tune_trial(config: dict, study: Study) -> None:
     """The Tune trial function. The trainer (torch, the workload) is imported in the trial's
-    process only: a TuneRun process starts without those imports (docs/performance.md)."""
+    process only: a TuneRun process starts without those imports (docs/performance.md). A
+    pooled trial's process first starts its pool's actors (unless it has them from the run's
+    trial before), which start and import while it imports the trainer."""
+    if reuses_workers(study):
+        from service.orchestration import worker_pool
+
+        worker_pool.start_pool(study.scaling)
     from service.orchestration import launch
 
     launch.tune_trial(config, study)

@@ -11,6 +11,9 @@ started for every trial (docs/performance.md).
   as on Ray Train (`topology.placement`). Ray Data input workers, where the study asks for
   them, are started by each rank outside the trial's placement group, as from a Ray Train
   worker.
+- Start: the trial's process starts the pool's actors before it imports the trainer
+  (`tune_run.tune_trial`), and each actor imports the trainer as it starts: both sides import
+  at once, rather than the actors only once rank 0 is done.
 - Reuse: Tune hands a finished trial's process to the run's next trial (`reuse_actors`); the
   pool, kept in this module, serves it. Every trial builds its own model, optimizer, RNG and
   data stream from its own seeds on every rank (`trainer.loop`), so a trial computes the same
@@ -28,36 +31,55 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 import ray
-import torch.distributed as dist
 from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.distributed import fence
 from service.distributed.topology import Topology, rank_topology, world_order
-from service.orchestration import fast_path, launch, worker_console
+from service.orchestration import worker_console
+from service.orchestration.tune_run import worker_env
 from service.planning.trial import TrialPlan
-from service.trainer import loop
+
+if TYPE_CHECKING:  # torch and the trainer are imported once the pool's actors are starting
+    from service.trainer import loop
 
 WATCH_INTERVAL_S = 0.2
 _pool: WorkerPool | None = None
 """This trial process's pool, kept for the Tune run's next trial."""
 
 
+def start_pool(scaling) -> None:
+    """Start this process's pool for `scaling` unless it has one: its actors start (and import)
+    while this process goes on."""
+    global _pool
+    if _pool is not None and _pool.serves(scaling):
+        return
+    if _pool is not None:
+        _pool.close()
+    _pool = WorkerPool(scaling)
+
+
 def train_in_pool(plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
     """Train (or resume) a multi-worker trial on this process's pool, started on first use;
     returns its kept checkpoints (URI, meta). A trial that fails closes the pool."""
     global _pool
+    start_pool(plan.study.scaling)
     pool, _pool = _pool, None
-    if pool is None or not pool.serves(plan.study.scaling):
-        if pool is not None:
-            pool.close()
-        pool = WorkerPool(plan.study.scaling)
     kept = pool.train(plan, batch_source)
     _pool = pool
     return kept
+
+
+def import_trainer() -> None:
+    """Import what a rank's first trial needs: torch, the trainer, and torch._dynamo, which torch
+    imports as it builds a process's first optimizer (over a second on its own)."""
+    import torch._dynamo  # noqa: F401
+
+    from service.orchestration import fast_path, launch  # noqa: F401
 
 
 def free_port() -> int:
@@ -74,6 +96,8 @@ def backend(scaling) -> str:
 def join_group(scaling, address: str, rank: int, world_size: int) -> None:
     """This process as `rank` of the pool's process group, whose collectives fail after
     `scaling.collective_timeout_s` (as a Ray Train worker group's do, `launch.torch_config`)."""
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=scaling.collective_timeout_s)
     dist.init_process_group(
         backend(scaling), init_method=address, rank=rank, world_size=world_size, timeout=timeout
@@ -88,6 +112,7 @@ class PoolWorker:
     def __init__(self):
         worker_console.log_known_warnings()
         worker_console.quiet_exit_on_sigterm()
+        import_trainer()  # while rank 0 imports it too
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -96,6 +121,8 @@ class PoolWorker:
         join_group(scaling, address, rank, world_size)
 
     def train(self, plan: TrialPlan, topo: Topology, attempt: fence.Attempt) -> None:
+        from service.orchestration import fast_path, launch
+
         # World ranks 1..: rank 0 reports to Tune (and keeps a DDP trial's checkpoints).
         device = fast_path.trial_device(plan.study.scaling)
         fast_path.train_rank(plan, topo, device, launch.batch_source(plan.study), None, attempt)
@@ -106,20 +133,24 @@ class WorkerPool:
     joined with this process in one process group."""
 
     def __init__(self, scaling):
+        """Start the pool's actors; they join this process's group on its first trial."""
         worker_console.log_known_warnings()  # rank 0 builds DDP in this process
         self.scaling, self.group = scaling, get_current_placement_group()
-        workers = [self._start(bundle) for bundle in range(1, scaling.world_size)]
+        self.started = [self._start(bundle) for bundle in range(1, scaling.world_size)]
+        self.workers, self.topologies = [], []  # in world rank order, once joined
+
+    def _join_once(self) -> None:
+        """Place the started actors in world rank order and join them into one process group."""
+        if self.topologies:
+            return
+        import_trainer()  # while the actors start
         rank0_node = ray.get_runtime_context().get_node_id()
-        nodes = ray.get([w.node_id.remote() for w in workers])
+        nodes = ray.get([w.node_id.remote() for w in self.started])
         order = world_order(rank0_node, nodes)
-        self.workers = [workers[i] for i in order]
+        self.workers = [self.started[i] for i in order]
         node_ids = [rank0_node, *(nodes[i] for i in order)]
         self.topologies = [rank_topology(node_ids, rank) for rank in range(len(node_ids))]
-        try:
-            self._join()
-        except Exception:
-            self.kill_workers()
-            raise
+        self._join()
 
     def _start(self, bundle: int):
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
@@ -127,7 +158,7 @@ class WorkerPool:
             num_cpus=self.scaling.cpus_per_worker,
             num_gpus=1 if self.scaling.use_gpu else 0,
             scheduling_strategy=strategy,
-            runtime_env={"env_vars": launch.worker_env(self.scaling)},
+            runtime_env={"env_vars": worker_env(self.scaling)},
         ).remote()
 
     def _join(self) -> None:
@@ -143,6 +174,13 @@ class WorkerPool:
 
     def train(self, plan: TrialPlan, batch_source: loop.BatchSource | None) -> list[tuple[str, dict]]:
         """One trial on every rank: rank 0 here, the others on the pool's actors."""
+        from service.orchestration import fast_path
+
+        try:
+            self._join_once()
+        except Exception:
+            self.close()
+            raise
         attempt = fence.claim(plan.trial_uri)  # held by every rank: each writes a sharded checkpoint
         peers = zip(self.workers, self.topologies[1:], strict=True)
         futures = [w.train.remote(plan, topo, attempt) for w, topo in peers]
@@ -172,10 +210,12 @@ class WorkerPool:
                 return
 
     def kill_workers(self) -> None:
-        for w in self.workers:
+        for w in self.started:
             ray.kill(w)
 
     def close(self) -> None:
+        import torch.distributed as dist
+
         self.kill_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
