@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world_size, init_file, out_dir, args):
-    torch.set_num_threads(1)
+def join_gloo(rank: int, world_size: int, init_file: str) -> None:
+    """This process as `rank` of a gloo group that meets through `init_file`."""
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
@@ -20,6 +20,11 @@ def _entry(rank, fn, world_size, init_file, out_dir, args):
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+def _entry(rank, fn, world_size, init_file, out_dir, args):
+    torch.set_num_threads(1)
+    join_gloo(rank, world_size, init_file)
     try:
         result = fn(rank, world_size, *args)
         gc.collect()  # DDP's reducers go before their process group, not at interpreter exit

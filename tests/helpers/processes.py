@@ -1,5 +1,6 @@
-"""Processes the tests start: free loopback ports, the processes of a `setsid` session, and the
-lines of a command's output that are its own (not forwarded by Ray from its processes)."""
+"""Processes the tests start: free loopback ports, the processes of a `setsid` session, the
+lines of a command's output that are its own (not forwarded by Ray from its processes), and what
+importing modules imports in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +20,13 @@ RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\([\w.:-]+ pid=\d+")
 def own_lines(text: str) -> list[str]:
     """The non-blank lines of `text` that are not Ray's forwarded ones."""
     return [line for line in text.splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
+
+
+def imported_along(imports: list[str], watched: list[str]) -> list[str]:
+    """Which of the `watched` modules a fresh interpreter has once it has imported `imports`."""
+    code = f"import sys, {', '.join(imports)}; print('\\n'.join(m for m in {watched!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.split()
 
 
 def free_ports(n: int) -> list[int]:

@@ -5,14 +5,12 @@ of its own."""
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
 from service.distributed import sharding
-from tests.helpers.gloo import run_gloo
+from tests.helpers.gloo import join_gloo, run_gloo
 
 TRIALS = 5
 
@@ -35,13 +33,7 @@ def meshes_of_trials(rank: int, world_size: int, init_file: str) -> dict:
     # The pool closed and a new one started: a new default group, so a new mesh over it.
     dist.barrier()
     dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, world_size, init_file)
     after = sharding.device_mesh("cpu", 2)
     return {
         "groups": groups,

@@ -4,15 +4,10 @@ then must not import torch."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.helpers.processes import imported_along
 
 
 def test_a_trial_process_starts_its_pool_before_importing_torch():
-    code = (
-        "import sys, service.orchestration.tune_run, service.orchestration.worker_pool; "
-        "print(sorted(m for m in ('torch', 'service.trainer.loop', 'service.orchestration.launch') "
-        "if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    imports = ["service.orchestration.tune_run", "service.orchestration.worker_pool"]
+    trainer = ["torch", "service.trainer.loop", "service.orchestration.launch"]
+    assert imported_along(imports, trainer) == []

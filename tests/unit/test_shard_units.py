@@ -5,13 +5,11 @@ imports until it shards a model."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from torch import nn
 
 from service import workloads
 from service.workloads.base import top_level_units
+from tests.helpers.processes import imported_along
 
 
 class Tied(nn.Module):
@@ -39,10 +37,6 @@ def test_the_lm_workloads_units_are_its_blocks():
 def test_no_process_imports_fsdp_until_it_shards_a_model():
     """torch's FSDP, DTensor and DCP modules take most of a second to import: a trial process
     or training worker that shards nothing (every ddp and one-worker trial) must not pay it."""
-    code = (
-        "import sys, service.trainer.loop, service.orchestration.launch, service.evaluation.offline; "
-        "print(sorted(m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
-        "'torch.distributed.checkpoint') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    imports = ["service.trainer.loop", "service.orchestration.launch", "service.evaluation.offline"]
+    fsdp = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
+    assert imported_along(imports, fsdp) == []
