@@ -136,8 +136,8 @@ class WorkerPool:
         """Start the pool's actors; they join this process's group on its first trial."""
         worker_console.log_known_warnings()  # rank 0 builds DDP in this process
         self.scaling, self.group = scaling, get_current_placement_group()
-        self.started = [self._start(bundle) for bundle in range(1, scaling.world_size)]
-        self.workers, self.topologies = [], []  # in world rank order, once joined
+        self.workers = [self._start(bundle) for bundle in range(1, scaling.world_size)]
+        self.topologies = []  # by world rank, once joined (the workers then in world rank order)
 
     def _join_once(self) -> None:
         """Place the started actors in world rank order and join them into one process group."""
@@ -145,9 +145,9 @@ class WorkerPool:
             return
         import_trainer()  # while the actors start
         rank0_node = ray.get_runtime_context().get_node_id()
-        nodes = ray.get([w.node_id.remote() for w in self.started])
+        nodes = ray.get([w.node_id.remote() for w in self.workers])
         order = world_order(rank0_node, nodes)
-        self.workers = [self.started[i] for i in order]
+        self.workers = [self.workers[i] for i in order]
         node_ids = [rank0_node, *(nodes[i] for i in order)]
         self.topologies = [rank_topology(node_ids, rank) for rank in range(len(node_ids))]
         self._join()
@@ -210,7 +210,7 @@ class WorkerPool:
                 return
 
     def kill_workers(self) -> None:
-        for w in self.started:
+        for w in self.workers:
             ray.kill(w)
 
     def close(self) -> None:
