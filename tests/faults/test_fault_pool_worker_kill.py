@@ -12,13 +12,13 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 
 from service.distributed import checkpoint
 from service.distributed.checkpoint_store import CheckpointStore
 from service.trainer.loop import TIMING_FIELDS
+from tests.helpers.one_worker_trials import wait_for
 from tests.helpers.studies import make_study, same_nested
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -89,31 +89,24 @@ def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
     return reference, {r["trial_name"]: r for r in run_study(reference)}
 
 
-def wait_for(runner: threading.Thread, ready, what: str) -> None:
-    deadline = time.time() + 300
-    while not ready():
-        if not runner.is_alive() or time.time() > deadline:
-            raise AssertionError(f"never saw {what}")
-        time.sleep(0.05)
-
-
 def signal_ranks(seen_ranks: list[dict], sig: int) -> None:
     for r in seen_ranks:
         os.kill(r["pid"], sig)
 
 
-def kill_mid_run(study, runner: threading.Thread, rank: int) -> dict:
+def kill_mid_run(study, rank: int) -> dict:
     """SIGKILL world rank `rank` of KILLED once it has a complete checkpoint, while OTHER trains.
     Each trial's ranks are SIGSTOPped while the test reads where it is, so neither can finish
     between that reading and the kill, however late one trial starts after the other. Returns
     what was there then: the killed ranks, KILLED's last committed and logged steps, OTHER's ranks
     and last logged step."""
-    wait_for(runner, lambda: complete_steps(study, KILLED), f"a complete checkpoint of {KILLED}")
+    wait_for(f"complete checkpoint of {KILLED}", lambda: complete_steps(study, KILLED), 300, 0.05)
     killed = ranks(study, KILLED)
     signal_ranks(killed, signal.SIGSTOP)
     seen = {"killed": killed, "persisted": max(complete_steps(study, KILLED))}
-    seen["killed_after"] = log(study, KILLED)[-1]["step"] if log(study, KILLED) else 0
-    wait_for(runner, lambda: log(study, OTHER), f"a logged step of {OTHER}")
+    logged = log(study, KILLED)
+    seen["killed_after"] = logged[-1]["step"] if logged else 0
+    wait_for(f"logged step of {OTHER}", lambda: log(study, OTHER), 300, 0.05)
     seen["other"] = ranks(study, OTHER)
     signal_ranks(seen["other"], signal.SIGSTOP)
     seen["other_after"] = log(study, OTHER)[-1]["step"]
@@ -142,7 +135,7 @@ def test_a_killed_pool_rank_restarts_only_its_own_trial(uninterrupted, digits_di
     outcome = {}
     runner = threading.Thread(target=lambda: outcome.update(rows=run_study(study)))
     runner.start()
-    seen = kill_mid_run(study, runner, rank)
+    seen = kill_mid_run(study, rank)
     runner.join(timeout=400)
     assert seen["killed_after"] < STEPS and seen["other_after"] < STEPS, "killed after a trial ended"
 
