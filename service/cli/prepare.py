@@ -31,6 +31,7 @@ def connect_ray(import_path: list[str] | None = None, verbose: bool = False) -> 
     import ray
 
     from service.orchestration.coordinator import NAMESPACE
+    from service.orchestration.ray_private import token_auth_without_warning
     from service.orchestration.worker_console import VERBOSE_ENV
 
     if ray.is_initialized():
@@ -43,7 +44,9 @@ def connect_ray(import_path: list[str] | None = None, verbose: bool = False) -> 
     env = {"PYTHONUNBUFFERED": "1", **job_env(import_path or []), **({VERBOSE_ENV: "1"} if verbose else {})}
     # No RAY_ADDRESS: an embedded Ray of our own ("local"), never a cluster that some other
     # process happens to run on this machine (what address=None would join), ending with this
-    # process however it ends (`reaper`).
+    # process however it ends (`reaper`), with token authentication as Ray's default has it.
+    if not address:
+        token_auth_without_warning()
     with contextlib.nullcontext() if address else reaper.ending_with_this_process():
         context = ray.init(
             address=address or "local",

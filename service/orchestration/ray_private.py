@@ -5,15 +5,28 @@ test_tune_report_order_ray, test_orphaned_groups_ray)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import ray
 import ray.tune
+from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR, _enable_token_auth
 from ray._private.state import state
 from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from service.core.errors import DataError, StorageFull, storage_full
+
+
+def token_auth_without_warning() -> None:
+    """Token authentication for the local Ray this process is about to start, which is Ray's own
+    default, without the WARNING that Ray's default prints on every start. Ray reads its
+    config once, at import, so setting RAY_AUTH_MODE alone would leave this process (the
+    driver) outside its own cluster's authentication; Ray's helper refreshes that config too.
+    A RAY_AUTH_MODE of the user's own is left as it is."""
+    if AUTH_MODE_ENV_VAR not in os.environ:
+        _enable_token_auth()
 
 
 def cluster_config() -> dict | None:
@@ -25,12 +38,15 @@ def cluster_config() -> dict | None:
 def final_error_of(error: BaseException, uri: str) -> DataError | StorageFull | None:
     """The error behind a trial's failure that every try would meet again: bad data, or full
     storage (named by `uri` where the error names no file); raised in this process (the fast
-    path), or by a Ray Train worker (wrapped in a WorkerGroupError, each worker's error with its
-    traceback; a checkpoint Ray Train's report could not copy to storage among them), or by
-    Ray Train's controller (a ControllerError)."""
+    path), by a pool's actor (a RayTaskError, whose text is the actor's whole traceback, around
+    the error itself), by a Ray Train worker (wrapped in a WorkerGroupError, each worker's error
+    with its traceback; a checkpoint Ray Train's report could not copy to storage among them),
+    or by Ray Train's controller (a ControllerError)."""
     causes = [error, *(getattr(f, "_base_exc", f) for f in getattr(error, "worker_failures", {}).values())]
     causes.append(getattr(error, "controller_failure", None))  # Ray Train's own writes (its snapshot)
     for cause in causes:
+        if isinstance(cause, RayTaskError):
+            cause = cause.cause
         if isinstance(cause, DataError):
             return cause
         if full := storage_full(uri, cause):

@@ -172,7 +172,8 @@ def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir
     """A 2-worker study run by the CLI with its own local Ray while another Ray (this test
     session's) runs on the machine, on a pool of reused workers (the default) and as a Ray Train
     run (`reuse_workers: false`): Ray Train's placement-group cleaner found two and printed
-    tracebacks, and every worker printed torch's `broadcast_buffers` FutureWarning. A Ray Train
+    tracebacks, every worker printed torch's `broadcast_buffers` FutureWarning, and Ray warned
+    on every run that it had turned token authentication on (as it still does). A Ray Train
     trial's controller polls its workers at the service's interval, not Ray's 2 s (a report
     waits for the poll: every evaluation waited for it); a pooled trial starts no controller."""
     raw = study_dict(
@@ -184,14 +185,15 @@ def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir
     )
     study_file = tmp_path / "study.yaml"
     study_file.write_text(yaml.safe_dump(raw))
-    # As on a user's machine: the poll interval is the service's (this session's is not).
-    env = {k: v for k, v in cli_env().items() if k != TRAIN_POLL_ENV}
+    # As on a user's machine: the poll interval is the service's (this session's is not), and
+    # no RAY_AUTH_MODE (this session's Ray set one), where Ray's default warned on every run.
+    env = {k: v for k, v in cli_env().items() if k not in (TRAIN_POLL_ENV, "RAY_AUTH_MODE")}
     with EnvironWatcher("TrainController") as controllers:
         out = playbook("run", str(study_file), cwd=str(tmp_path), env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "best trial: explore-0000" in out.stdout
-    for noise in ("Traceback", "FutureWarning", "Exception ignored", "Error"):
+    for noise in ("Traceback", "WARNING", "FutureWarning", "Exception ignored", "Error"):
         assert noise not in text, text[-4000:]
     intervals = [e.get(TRAIN_POLL_ENV) for e in controllers.seen.values()]
     assert intervals == ([TRAIN_POLL_S] if layout == "ray-train" else [])

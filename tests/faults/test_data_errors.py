@@ -120,6 +120,27 @@ def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path,
     assert elapsed < FAIL_FAST_S, elapsed
 
 
+@pytest.mark.ray
+def test_a_data_error_raised_on_a_pool_actor_is_the_trials_error_in_one_line(ray_cluster):
+    """Which rank of a pooled trial meets the bad value first is a race. When a pool actor (a
+    rank other than 0) won it, the trial's error was Ray's wrapping of the DataError, whose text
+    names the actor and holds its traceback (the [pool] case above failed so once)."""
+    from service.orchestration.ray_private import final_error_of
+
+    message = "part-00002.parquet: column 'pixels', row 150: cannot turn it into a batch"
+
+    @ray_cluster.remote(num_cpus=0)
+    class Rank:
+        def train(self):
+            raise DataError(message)
+
+    with pytest.raises(DataError) as raised:
+        ray_cluster.get(Rank.remote().train.remote())
+    assert "ray::Rank.train()" in str(raised.value)  # Ray's wrapping
+    error = final_error_of(raised.value, "unused")
+    assert type(error) is DataError and str(error) == message
+
+
 def test_a_column_type_that_is_no_kind_is_refused_by_validate(digits_dir, tmp_path, capsys):
     raw = study_dict(digits_dir, tmp_path / "storage", workload="tests.helpers.text_workload:MistypedDigits")
     study_file = tmp_path / "study.yaml"
