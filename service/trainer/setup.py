@@ -179,15 +179,16 @@ def wrap_ddp(model: nn.Module, device) -> nn.Module:
     step, in the order the gradients became ready: the first step after every restart would
     all-reduce another layout than the same step of an uninterrupted run, and with 3 or more
     ranks the float sums of a gradient would run in another order (gloo's ring sums a bucket
-    in chunks by position; a resumed run would not end bitwise equal). DDP never rebuilds
-    with `find_unused_parameters=True`: every step keeps the first layout (DDP's default caps,
-    in the parameters' order), the same in every process. Its price per step, a walk of the
-    autograd graph and one small all-reduce (the used-parameter map), is measured against
-    DDP's default and against one bucket per parameter (figure ddp_bucket_per_param_cost,
-    docs/performance.md). DDP warns once per process that it found no unused parameters.
-    On GPU, where results are not bitwise anyway, DDP keeps its own buckets."""
-    cpu = torch.device(device).type == "cpu"
-    return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=cpu)
+    in chunks by position; a resumed run would not end bitwise equal). On CPU every process
+    instead hands DDP all its parameters, in their order, as the order to rebuild by (what
+    DDP's own Join hook does for a rank that has no backward pass): DDP rebuilds its buckets
+    from that order as its first forward pass starts and never again, so every step of every
+    process, restarted or not, all-reduces the same layout. On GPU, where results are not
+    bitwise anyway, DDP keeps its own buckets."""
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    if torch.device(device).type == "cpu":
+        ddp.reducer._push_all_rebuilt_params()
+    return ddp
 
 
 def plan_evals(plan: TrialPlan, topo: Topology, train_files) -> EvalPlan:

@@ -174,8 +174,7 @@ def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(
         said = f"{where}: cannot write (No space left on device)"
         assert full.returncode == 1, full.stderr
         own = [line for line in (full.stdout + full.stderr).splitlines() if not RAY_FORWARDED.match(line)]
-        # nothing forwarded from a worker, where one process trains (a DDP trial's ranks print
-        # DDP's notice that it found no unused parameters)
+        # nothing forwarded from a worker, where one process trains
         assert layout != "fast-path" or len(own) == len((full.stdout + full.stderr).splitlines())
         assert "Traceback" not in "\n".join(own)
         assert own[-1] == (

@@ -35,8 +35,10 @@ def test_the_lm_workloads_units_are_its_blocks():
 
 
 def test_no_process_imports_fsdp_until_it_shards_a_model():
-    """torch's FSDP, DTensor and DCP modules take most of a second to import: a trial process
-    or training worker that shards nothing (every ddp and one-worker trial) must not pay it."""
+    """torch's FSDP, DTensor and DCP modules take most of a second to import: importing the
+    service's trainer, launch and offline evaluation must not import them. (torch itself still
+    imports torch._dynamo, and with it FSDP's modules, as a process builds its first optimizer,
+    whatever it trains: this guards only what the service's own imports add.)"""
     imports = ["service.trainer.loop", "service.orchestration.launch", "service.evaluation.offline"]
     fsdp = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
     assert imported_along(imports, fsdp) == []
