@@ -135,9 +135,9 @@ GOALS = {
     "ddp_bucket_per_param_cost": (
         "info",
         0,
-        "steps/s of a CPU gloo DDP step with the service's buckets (wrap_ddp: one layout in every process, "
-        "for bitwise resume) / DDP's default buckets; the lowest of images and digits models on 2 and 3 ranks; "
-        "raw.per_param: one bucket per parameter / the default",
+        "steps/s of a CPU gloo DDP step with the service's buckets (wrap_ddp: one layout in every "
+        "process, for bitwise resume) / DDP's default buckets; the lowest of images and digits models "
+        "on 2 and 3 ranks; raw.per_param: one bucket per parameter / the default",
     ),
     # No goal in issue 11: "info" figures always pass; their numbers are in raw.
     "cluster": (
