@@ -55,6 +55,11 @@ class Scaling:
     parameters, gradients and optimizer state over the workers (each holds about 1/N of them,
     gathered unit by unit for forward and backward) and checkpoints are sharded, one file per
     worker (docs/large-models.md)."""
+    find_unused_parameters: bool = False
+    """ddp only: a model whose steps leave some parameters without a gradient (a branch a step
+    does not take). DDP's own option of that name: every step walks the autograd graph for the
+    parameters it did not use (and all-reduces one more small map), and DDP says once per
+    worker if it found none. Off, such a step fails the trial with DDP's error naming it."""
     shard_group_size: int | None = None
     """fsdp only: the workers each parameter is sharded over; the trial's workers form
     world_size / shard_group_size replicas of the sharded model (HSDP: a 2-D device mesh,
@@ -67,6 +72,8 @@ class Scaling:
         yield from _positive(self, "shard_group_size")
         if self.strategy == "fsdp" and self.world_size == 1:
             yield "strategy", "fsdp shards over a trial's workers, and this trial has 1 (use ddp)"
+        if self.find_unused_parameters and self.strategy != "ddp":
+            yield "find_unused_parameters", f"only applies to strategy: ddp (strategy is {self.strategy})"
         if self.shard_group_size is None or self.shard_group_size <= 0:
             return
         if self.strategy != "fsdp":

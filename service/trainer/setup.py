@@ -168,13 +168,13 @@ def spread(model: nn.Module, study, workload, device) -> nn.Module:
     shards of the workload's units (in place; bf16 parameters in forward and backward under
     `training.precision: bf16`)."""
     if study.scaling.strategy == "ddp":
-        return wrap_ddp(model, device)
+        return wrap_ddp(model, device, study.scaling.find_unused_parameters)
     mesh = sharding.device_mesh(device, study.scaling.resolved_shard_group_size)
     param_dtype = DTYPES.get(study.training.precision)
     return sharding.shard_model(model, workload.shard_units(model), mesh, param_dtype)
 
 
-def wrap_ddp(model: nn.Module, device) -> nn.Module:
+def wrap_ddp(model: nn.Module, device, find_unused_parameters: bool = False) -> nn.Module:
     """DDP; on CPU, with buckets that never change. DDP rebuilds its buckets after its first
     step, in the order the gradients became ready: the first step after every restart would
     all-reduce another layout than the same step of an uninterrupted run, and with 3 or more
@@ -183,10 +183,13 @@ def wrap_ddp(model: nn.Module, device) -> nn.Module:
     instead hands DDP all its parameters, in their order, as the order to rebuild by (what
     DDP's own Join hook does for a rank that has no backward pass): DDP rebuilds its buckets
     from that order as its first forward pass starts and never again, so every step of every
-    process, restarted or not, all-reduces the same layout. On GPU, where results are not
-    bitwise anyway, DDP keeps its own buckets."""
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    if torch.device(device).type == "cpu":
+    process, restarted or not, all-reduces the same layout. With `find_unused_parameters`
+    (`scaling.find_unused_parameters`) DDP never rebuilds its first layout. On GPU, where
+    results are not bitwise anyway, DDP keeps its own buckets."""
+    ddp = nn.parallel.DistributedDataParallel(
+        model, broadcast_buffers=False, find_unused_parameters=find_unused_parameters
+    )
+    if torch.device(device).type == "cpu" and not find_unused_parameters:
         ddp.reducer._push_all_rebuilt_params()
     return ddp
 

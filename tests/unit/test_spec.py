@@ -297,6 +297,16 @@ BAD = [
     ("round-steps-within-warmup", _set("rounds.0.max_train_steps", 20), "rounds[0].max_train_steps"),
     ("learning-rate-missing", _set("search.learning_rate", DELETE), "search"),
     ("unknown-strategy", _set("scaling.strategy", "zero3"), "scaling.strategy"),
+    (
+        "find-unused-with-fsdp",
+        _both(*FSDP_ON_2, _set("scaling.find_unused_parameters", True)),
+        "scaling.find_unused_parameters",
+    ),
+    (
+        "string-for-find-unused",
+        _set("scaling.find_unused_parameters", "yes"),
+        "scaling.find_unused_parameters",
+    ),
     ("fsdp-with-one-worker", _set("scaling.strategy", "fsdp"), "scaling.strategy"),
     (
         "shard-group-without-fsdp",
