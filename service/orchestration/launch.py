@@ -15,7 +15,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig
 
 from service.analysis.input_bound import trial_input_row
 from service.core import storage
-from service.core.errors import CheckpointError, DataError, StorageError, StorageFull
+from service.core.errors import CheckpointError, DataError, SpecError, StorageError, StorageFull
 from service.core.ranking import best_row, worst
 from service.core.trial_status import TrialStatus
 from service.distributed import checkpoint, fence
@@ -234,7 +234,7 @@ def kept_summary(plan: TrialPlan, kept: list[tuple[str, dict]]) -> dict:
     return summary_fields(plan, {m["step"]: uri for uri, m in kept}, len(kept))
 
 
-def failed_summary(plan: TrialPlan, error: DataError | StorageFull) -> dict:
+def failed_summary(plan: TrialPlan, error: DataError | SpecError | StorageFull) -> dict:
     """A final error (`final_error_of`) ends the trial without a retry (Tune restarts a trial
     that raises): the summary of a failed trial, with the error's message, also kept as the
     trial's error.txt where storage takes it (a full disk may not)."""

@@ -16,7 +16,7 @@ from ray.core.generated.gcs_pb2 import PlacementGroupTableData
 from ray.exceptions import RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from service.core.errors import DataError, StorageFull, storage_full
+from service.core.errors import DataError, SpecError, StorageFull, storage_full
 
 
 def token_auth_without_warning() -> None:
@@ -35,8 +35,9 @@ def cluster_config() -> dict | None:
     return state.get_cluster_config()
 
 
-def final_error_of(error: BaseException, uri: str) -> DataError | StorageFull | None:
-    """The error behind a trial's failure that every try would meet again: bad data, or full
+def final_error_of(error: BaseException, uri: str) -> DataError | SpecError | StorageFull | None:
+    """The error behind a trial's failure that every try would meet again: bad data, a study
+    field that the model needs set otherwise (`trainer.step.check_every_gradient`), or full
     storage (named by `uri` where the error names no file); raised in this process (the fast
     path), by a pool's actor (a RayTaskError, whose text is the actor's whole traceback, around
     the error itself), by a Ray Train worker (wrapped in a WorkerGroupError, each worker's error
@@ -47,7 +48,7 @@ def final_error_of(error: BaseException, uri: str) -> DataError | StorageFull | 
     for cause in causes:
         if isinstance(cause, RayTaskError):
             cause = cause.cause
-        if isinstance(cause, DataError):
+        if isinstance(cause, DataError | SpecError):
             return cause
         if full := storage_full(uri, cause):
             return full

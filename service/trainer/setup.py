@@ -79,6 +79,7 @@ class TrialContext:
     gradients: Gradients  # the step's gradients (one buffer on CPU) and their global norm
     precision: Precision  # training.precision: autocast, and fp16's gradient scaler
     microbatch_size: int | None  # training.microbatch_size: rows per forward/backward (None: the batch)
+    unchecked_gradients: bool  # DDP without find_unused_parameters, before its first step's check
 
     @property
     def training(self) -> Training:
@@ -123,6 +124,8 @@ def set_up(plan: TrialPlan, topo: Topology, device) -> TrialContext:
         gradients=Gradients(model, buffer=not distributed() and tr.optimizer != "workload"),
         precision=Precision(tr.precision, device, autocast=not sharding.is_sharded(model)),
         microbatch_size=tr.microbatch_size,
+        unchecked_gradients=isinstance(trained, nn.parallel.DistributedDataParallel)
+        and not trained.find_unused_parameters,
     )
 
 

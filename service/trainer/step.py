@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
+from service.core.errors import SpecError
 from service.data.loader import Batch
 from service.distributed.sharding import no_gradient_sync
 from service.trainer.profiling import StepProfiler
@@ -36,6 +37,8 @@ def train_step(
     ctx.gradients.zero(ctx.optimizer)
     loss = forward_backward(ctx, batch)
     ctx.gradients.settle()
+    if ctx.unchecked_gradients:
+        check_every_gradient(ctx)
     update(ctx)
     progress.step += 1
     progress.steps_in_interval += 1
@@ -44,6 +47,21 @@ def train_step(
         torch.cuda.set_sync_debug_mode("default")
     ctx.timer.end_step()
     ctx.rank0.run(profiler.after_step, progress.step)
+
+
+def check_every_gradient(ctx: TrialContext) -> None:
+    """Once per process, after its first backward: DDP without `scaling.find_unused_parameters`
+    cannot reduce a step that leaves a parameter without a gradient (the step's update would use
+    gradients that were never all-reduced, and the next forward pass fails with DDP's own
+    error). One line naming the field and the parameters instead, not retried."""
+    ctx.unchecked_gradients = False
+    missing = [name for name, p in ctx.model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise SpecError(
+            f"scaling.find_unused_parameters: a training step left parameters of the model without a "
+            f"gradient ({shown}); set it to true for a model whose steps do not use every parameter"
+        )
 
 
 def microbatches(batch: Batch, size: int | None) -> list[Batch]:

@@ -1,6 +1,7 @@
 """`scaling.find_unused_parameters` over 2 gloo ranks (DDP): a model with a head that no step
-uses trains with it, the unused head's weights staying as initialised, and without it fails
-with DDP's error, which names the option."""
+uses trains with it, the unused head's weights staying as initialised; without it the trial
+fails at its first step, on every rank, in one line naming the option and the parameters (DDP's
+own error came a step later, after an update with gradients never all-reduced)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from service.distributed import checkpoint
 from service.distributed.topology import Topology, init_seed
+from service.orchestration.ray_private import final_error_of
 from service.planning.trial import TrialPlan
 from service.trainer.loop import train
 from tests.helpers.gloo import run_gloo
@@ -43,8 +45,8 @@ def unused_rank(rank: int, world: int, digits_dir: str, tmp: str) -> dict:
             train(plan, topo, reporter)
             saved = reporter.reports[-1][1]  # rank 0 saves the checkpoints
             out[find] = {"metrics": reporter.metrics, "weights": saved and checkpoint.load(saved).model}
-        except RuntimeError as e:
-            out[find] = {"error": str(e)}
+        except Exception as e:
+            out[find] = {"error": str(e), "final": final_error_of(e, "") is e}
         torch.manual_seed(init_seed(plan.trial_seed))  # the trial's initial weights, as a plain model
         out["initial"] = SpareHeadDigits().build_model({}).state_dict()
     return out
@@ -56,7 +58,13 @@ def test_a_model_with_an_unused_head_trains_only_with_find_unused_parameters(dig
         found = r[True]
         assert [m["step"] for m in found["metrics"]] == [3, 6]
         assert all(math.isfinite(m["train/loss"]) for m in found["metrics"])
-        assert "find_unused_parameters" in r[False]["error"]
+        # at the first step, in one line naming the field and the unused parameters, not retried
+        assert r[False]["error"] == (
+            "scaling.find_unused_parameters: a training step left parameters of the model without a "
+            "gradient (spare.weight, spare.bias); set it to true for a model whose steps do not use "
+            "every parameter"
+        )
+        assert r[False]["final"]
     weights, initial = by_rank[0][True]["weights"], by_rank[0]["initial"]
     assert set(weights) == {"used.1.weight", "used.1.bias", "spare.weight", "spare.bias"}
     for name in ("spare.weight", "spare.bias"):  # never a gradient: as initialised
