@@ -59,7 +59,8 @@ class Scaling:
     """ddp only: a model whose steps leave some parameters without a gradient (a branch a step
     does not take). DDP's own option of that name: every step walks the autograd graph for the
     parameters it did not use (and all-reduces one more small map), and DDP says once per
-    worker if it found none. Off, such a step fails the trial with DDP's error naming it."""
+    worker if it found none. Off, a step that leaves a parameter without a gradient fails the
+    trial at once, in one line naming this field and the parameters."""
     shard_group_size: int | None = None
     """fsdp only: the workers each parameter is sharded over; the trial's workers form
     world_size / shard_group_size replicas of the sharded model (HSDP: a 2-D device mesh,

@@ -50,7 +50,7 @@ def train_step(
 
 
 def check_every_gradient(ctx: TrialContext) -> None:
-    """Once per process, after its first backward: DDP without `scaling.find_unused_parameters`
+    """Once per trial on each rank, after its first backward: DDP without `scaling.find_unused_parameters`
     cannot reduce a step that leaves a parameter without a gradient (the step's update would use
     gradients that were never all-reduced, and the next forward pass fails with DDP's own
     error). One line naming the field and the parameters instead, not retried."""
