@@ -152,6 +152,13 @@ class CheckpointStore:
         uri = done[-1][0]
         return checkpoint.load_verified(uri, lambda name: storage.read_bytes(storage.join(uri, name)))
 
+    def retained(self) -> list[tuple[str, dict]]:
+        """Keep the `keep` best and the latest of the trial's committed checkpoints (as after
+        every save), whoever wrote them; (URI, meta) of those kept, by step."""
+        self._retain()
+        self.close()
+        return self.complete()
+
     def _retain(self) -> None:
         done = self.complete()
 

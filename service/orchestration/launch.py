@@ -43,8 +43,8 @@ class RayTrainReporter:
     Rank 0 holds the worker group's attempt at the trial (`distributed.fence`): a group that a later
     one superseded uploads no checkpoint."""
 
-    def __init__(self, attempt: fence.Attempt | None = None):
-        self.attempt = attempt
+    def __init__(self, trial_uri: str, attempt: fence.Attempt | None = None):
+        self.trial_uri, self.attempt = trial_uri, attempt
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         if checkpoint_dir and self.attempt is not None:
@@ -54,8 +54,10 @@ class RayTrainReporter:
 
     def restore(self) -> TrialState | None:
         ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            return None
+        if ckpt is None:  # Ray knows none: none yet, or its record was torn (`drop_torn_record`)
+            fs, path = storage.ray_storage(self.trial_uri)
+            found = newest_committed_in(fs or pafs.LocalFileSystem(), path)
+            return found and found[1]
         with ckpt.as_directory() as d:
             try:
                 return checkpoint.load(d)
@@ -73,10 +75,14 @@ class RayTrainReporter:
 def newest_committed_sibling(fs: pafs.FileSystem, path: str) -> tuple[str, TrialState] | None:
     """The newest committed checkpoint among the siblings of the one at `path`, read through
     Ray's storage filesystem (local, or gs:// wrapped by `storage.ray_storage`): (path, state)."""
-    parent = path.rstrip("/").rsplit("/", 1)[0]
+    return newest_committed_in(fs, path.rstrip("/").rsplit("/", 1)[0])
+
+
+def newest_committed_in(fs: pafs.FileSystem, parent: str) -> tuple[str, TrialState] | None:
+    """The newest committed checkpoint in the folder `parent` (None where there is none)."""
     folders = [
         info.path
-        for info in fs.get_file_info(pafs.FileSelector(parent))
+        for info in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
         if info.type == pafs.FileType.Directory and info.base_name.startswith(CHECKPOINT_PREFIX)
     ]
 
@@ -117,7 +123,8 @@ def train_worker(config: dict) -> None:
     attempt = group_attempt(plan, topo)
     device, source = ray.train.torch.get_device(), batch_source(plan.study)
     if plan.study.scaling.strategy != "fsdp":
-        loop.train(plan, topo, RayTrainReporter(attempt if topo.is_rank0 else None), device, source)
+        reporter = RayTrainReporter(plan.trial_uri, attempt if topo.is_rank0 else None)
+        loop.train(plan, topo, reporter, device, source)
         return
     fast_path.train_rank(plan, topo, device, source, ray.train.report, attempt)  # its shards in its store
 
@@ -166,6 +173,30 @@ def torch_config(scaling):
     from ray.train.torch import TorchConfig
 
     return TorchConfig(timeout_s=scaling.collective_timeout_s)
+
+
+RAY_TRAIN_RECORD = "checkpoint_manager_snapshot.json"
+"""Ray Train's record of a run's checkpoints, in the run's folder (the trial's)."""
+
+
+def drop_torn_record(plan: TrialPlan) -> bool:
+    """Ray Train writes its record of the trial's checkpoints in place: a write that met a full
+    disk leaves it cut short, and Ray Train's controller then cannot start. Such a record goes
+    (returns True): the trial resumes from its newest committed checkpoint
+    (`RayTrainReporter.restore`), and its own store keeps the best ones (`ray_train_summary`)."""
+    uri = storage.join(plan.trial_uri, RAY_TRAIN_RECORD)
+    try:
+        json.loads(storage.read_bytes(uri))
+        return False
+    except FileNotFoundError:
+        return False
+    except ValueError:
+        print(
+            f"[{plan.trial_name}] warning: {uri} was cut short; resuming from the newest committed checkpoint"
+        )
+        fs, path = storage.split(uri)
+        fs.rm(path)
+        return True
 
 
 def trainer_for(plan: TrialPlan, in_tune: bool):
@@ -222,11 +253,22 @@ def train_trial(plan: TrialPlan) -> dict:
         from service.orchestration import worker_pool
 
         return kept_summary(plan, worker_pool.train_in_pool(plan, batch_source(plan.study)))
-    result = trainer_for(plan, in_tune=True).fit()
+    result, kept = fit_and_keep(plan, in_tune=True)
+    return summarize(plan, result) if kept is None else kept_summary(plan, kept)
+
+
+def fit_and_keep(plan: TrialPlan, in_tune: bool):
+    """The trial as a Ray Train run, then its checkpoints pruned to those kept. Returns Ray's
+    result and, where the trial's own store chose what is kept (under fsdp, or after Ray's
+    record was torn), their (URI, meta); None where Ray's retention chose."""
+    torn = drop_torn_record(plan)
+    result = trainer_for(plan, in_tune).fit()
     if plan.study.scaling.strategy == "fsdp":  # its checkpoints were kept by its store, not Ray
-        return kept_summary(plan, fast_path.trial_store(plan).complete())
+        return result, fast_path.trial_store(plan).complete()
+    if torn:  # Ray knows only this run's checkpoints: the trial's store keeps the best of all
+        return result, fast_path.trial_store(plan).retained()
     prune_unregistered(plan, result)
-    return summarize(plan, result)
+    return result, None
 
 
 def kept_summary(plan: TrialPlan, kept: list[tuple[str, dict]]) -> dict:
@@ -349,7 +391,4 @@ def _uri(study: Study, path: str) -> str:
 
 def run_single(plan: TrialPlan):
     """One trial as a plain Ray Train run, outside Tune (whatever its world size)."""
-    result = trainer_for(plan, in_tune=False).fit()
-    if plan.study.scaling.strategy != "fsdp":
-        prune_unregistered(plan, result)
-    return result
+    return fit_and_keep(plan, in_tune=False)[0]

@@ -313,3 +313,22 @@ def study_raw_for(baseline, tmp_path) -> dict:
     raw = spec.to_dict(baseline)
     raw["storage"] = str(tmp_path)
     return raw
+
+
+def test_a_torn_ray_train_record_is_dropped_and_the_rerun_resumes(baseline, tmp_path):
+    """Ray Train's record of the trial's checkpoints cut short on storage (what a full disk did to
+    it): Ray Train's controller could not start from it, so every rerun failed. The rerun drops
+    it, resumes from the newest committed checkpoint and keeps what an uninterrupted run keeps."""
+    from service.orchestration import launch
+
+    study = spec.load_dict(study_raw_for(baseline, tmp_path))
+    plan = TrialPlan(study, TRIALS[0], "explore", {"learning_rate": 0.05, "momentum": 0.9, "width": 4}, STEPS)
+    launch.run_single(plan)
+    record = os.path.join(trial_dir(study.study_uri, TRIALS[0]), launch.RAY_TRAIN_RECORD)
+    with open(record, "r+b") as f:
+        f.truncate(0)
+    launch.run_single(plan)
+    with open(plan.topology_uri) as f:
+        assert json.load(f)["ranks"][0]["resumed_from_step"] == STEPS
+    assert read_log(study.study_uri, TRIALS[0]) == read_log(baseline.study_uri, TRIALS[0])
+    assert sorted(committed(study.study_uri, TRIALS[0])) == sorted(committed(baseline.study_uri, TRIALS[0]))
