@@ -29,9 +29,8 @@ FAULT_TESTS = {
     ),
     "host removed from a 2-host trial, replacement added": "tests/cluster/test_fault_node_removed.py",
     "driver (`playbook run`) SIGKILLed mid-study and rerun, with a NaN trial in the study; the "
-    "round's Tune run process SIGKILLed; a torn checkpoint on Ray storage": (
-        "tests/faults/test_fault_driver_kill.py"
-    ),
+    "round's Tune run process SIGKILLed; a torn checkpoint, or Ray Train's torn record of them, on "
+    "Ray storage": ("tests/faults/test_fault_driver_kill.py"),
     "a host's link down mid-trial (a partition) and back up, on hosts in network namespaces": (
         "tests/cluster/test_partition.py"
     ),
