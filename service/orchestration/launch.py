@@ -183,7 +183,7 @@ def drop_torn_record(plan: TrialPlan) -> bool:
     """Ray Train writes its record of the trial's checkpoints in place: a write that met a full
     disk leaves it cut short, and Ray Train's controller then cannot start. Such a record goes
     (returns True): the trial resumes from its newest committed checkpoint
-    (`RayTrainReporter.restore`), and its own store keeps the best ones (`ray_train_summary`)."""
+    (`RayTrainReporter.restore`), and its own store keeps the best ones (`fit_and_keep`)."""
     uri = storage.join(plan.trial_uri, RAY_TRAIN_RECORD)
     try:
         json.loads(storage.read_bytes(uri))
