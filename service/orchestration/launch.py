@@ -177,26 +177,30 @@ def torch_config(scaling):
 
 RAY_TRAIN_RECORD = "checkpoint_manager_snapshot.json"
 """Ray Train's record of a run's checkpoints, in the run's folder (the trial's)."""
+TORN_SUFFIX = ".torn"
+"""Added to the name of a record found torn (`drop_torn_record`)."""
 
 
 def drop_torn_record(plan: TrialPlan) -> bool:
     """Ray Train writes its record of the trial's checkpoints in place: a write that met a full
-    disk leaves it cut short, and Ray Train's controller then cannot start. Such a record goes
-    (returns True): the trial resumes from its newest committed checkpoint
-    (`RayTrainReporter.restore`), and its own store keeps the best ones (`fit_and_keep`)."""
+    disk leaves it cut short, and Ray Train's controller then cannot start. Such a record is moved
+    aside (to `<record>.torn`): the trial resumes from its newest committed checkpoint
+    (`RayTrainReporter.restore`). Returns whether the trial's record was ever torn: Ray's new
+    record knows only the checkpoints of the runs since, so the trial's own store chooses what is
+    kept (`fit_and_keep`), on this run and on any later one."""
     uri = storage.join(plan.trial_uri, RAY_TRAIN_RECORD)
+    torn = uri + TORN_SUFFIX
     try:
         json.loads(storage.read_bytes(uri))
-        return False
     except FileNotFoundError:
-        return False
+        pass
     except ValueError:
         print(
             f"[{plan.trial_name}] warning: {uri} was cut short; resuming from the newest committed checkpoint"
         )
         fs, path = storage.split(uri)
-        fs.rm(path)
-        return True
+        fs.mv(path, storage.split(torn)[1])  # a rename: it needs no more room on a disk still full
+    return storage.exists(torn)
 
 
 def trainer_for(plan: TrialPlan, in_tune: bool):
@@ -265,7 +269,7 @@ def fit_and_keep(plan: TrialPlan, in_tune: bool):
     result = trainer_for(plan, in_tune).fit()
     if plan.study.scaling.strategy == "fsdp":  # its checkpoints were kept by its store, not Ray
         return result, fast_path.trial_store(plan).complete()
-    if torn:  # Ray knows only this run's checkpoints: the trial's store keeps the best of all
+    if torn:  # Ray knows only the checkpoints since: the trial's store keeps the best of all
         return result, fast_path.trial_store(plan).retained()
     prune_unregistered(plan, result)
     return result, None

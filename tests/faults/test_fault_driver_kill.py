@@ -318,7 +318,8 @@ def study_raw_for(baseline, tmp_path) -> dict:
 def test_a_torn_ray_train_record_is_dropped_and_the_rerun_resumes(baseline, tmp_path):
     """Ray Train's record of the trial's checkpoints cut short on storage (what a full disk did to
     it): Ray Train's controller could not start from it, so every rerun failed. The rerun drops
-    it, resumes from the newest committed checkpoint and keeps what an uninterrupted run keeps."""
+    it, resumes from the newest committed checkpoint and keeps what an uninterrupted run keeps,
+    and so does every run of the trial after it."""
     from service.orchestration import launch
 
     study = spec.load_dict(study_raw_for(baseline, tmp_path))
@@ -331,4 +332,9 @@ def test_a_torn_ray_train_record_is_dropped_and_the_rerun_resumes(baseline, tmp_
     with open(plan.topology_uri) as f:
         assert json.load(f)["ranks"][0]["resumed_from_step"] == STEPS
     assert read_log(study.study_uri, TRIALS[0]) == read_log(baseline.study_uri, TRIALS[0])
-    assert sorted(committed(study.study_uri, TRIALS[0])) == sorted(committed(baseline.study_uri, TRIALS[0]))
+    want = sorted(committed(baseline.study_uri, TRIALS[0]))
+    assert sorted(committed(study.study_uri, TRIALS[0])) == want
+    # Ray's new record knows none of the checkpoints from before it: a run after the rerun (Tune's
+    # retry of a rerun that failed later on) still keeps the best of all, not only those it knows.
+    launch.run_single(plan)
+    assert sorted(committed(study.study_uri, TRIALS[0])) == want
