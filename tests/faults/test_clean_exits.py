@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
@@ -189,7 +190,11 @@ def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir
     # As on a user's machine: the poll interval is the service's (this session's is not), and
     # no RAY_AUTH_MODE (this session's Ray set one), where Ray's default warned on every run.
     env = {k: v for k, v in cli_env().items() if k not in (TRAIN_POLL_ENV, "RAY_AUTH_MODE")}
-    with EnvironWatcher("TrainController") as controllers:
+    # The controllers of this command's own Ray, not of another on the machine (its processes
+    # inherit the command's environment).
+    tag = {"PLAYBOOK_TEST_RUN": uuid.uuid4().hex}
+    env.update(tag)
+    with EnvironWatcher("TrainController", only_env=tag) as controllers:
         out = playbook("run", str(study_file), cwd=str(tmp_path), env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]

@@ -77,10 +77,13 @@ def kill_session(sid: int) -> None:
 class EnvironWatcher:
     """While open, reads every `interval_s` the environment of each live process whose command
     line contains `marker` (a Ray actor's process title, e.g. "TrainController") and that started
-    after it opened: `seen` maps pid -> its environment, as the process was started."""
+    after it opened: `seen` maps pid -> its environment, as the process was started. With
+    `only_env`, only processes whose environment holds those pairs (those a command run with them
+    started: another Ray on the machine starts such processes too)."""
 
-    def __init__(self, marker: str, interval_s: float = 0.1):
+    def __init__(self, marker: str, interval_s: float = 0.1, only_env: dict[str, str] | None = None):
         self.marker, self.interval_s, self.seen = marker.encode(), interval_s, {}
+        self.only_env = only_env or {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -99,7 +102,7 @@ class EnvironWatcher:
             for entry in os.listdir("/proc"):
                 if entry.isdigit() and int(entry) not in self.seen and int(entry) not in self._before:
                     environ = _environ_if(int(entry), self.marker)
-                    if environ is not None:
+                    if environ is not None and self.only_env.items() <= environ.items():
                         self.seen[int(entry)] = environ
 
 
