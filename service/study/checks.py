@@ -10,7 +10,6 @@ import uuid
 
 import pyarrow.parquet as pq
 
-from service import workloads
 from service.core import storage
 from service.core.errors import DataError, SpecError, StorageError
 from service.data.files import DataFile, check_column_types, check_declared_kinds, list_files
@@ -30,6 +29,8 @@ def resolve_paths(study: Study, storage_override: str | None = None) -> Study:
 
 
 def check_workload(study: Study) -> None:
+    from service import workloads  # torch: not for the coordinator, which needs `trial_footprint`
+
     workload = workloads.get(study.workload)
     check_declared_kinds(workload)
     metric_name = study.training.metric.split("/", 1)[1]
@@ -60,6 +61,8 @@ def check_data(study: Study) -> None:
     declares (so every value's type is checked) and of the same types as the split's first
     non-empty file, whose first rows the workload turns into a batch (footers only, and a few
     rows). A split needs rows; the training files must cover the hosts."""
+    from service import workloads
+
     workload = workloads.get(study.workload)
     files = {}
     for split in ("train", "validation", "test"):
