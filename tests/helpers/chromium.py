@@ -102,6 +102,9 @@ def check_page(html_path: str, evaluate: tuple[str, ...] = ()) -> PageCheck:
         [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # Its own temporary files (a singleton socket's folder, left behind when it is stopped)
+        # go into the profile, removed below, not into /tmp.
+        env={**os.environ, "TMPDIR": profile},
     )
     try:
         port = _devtools_port(profile, proc)
