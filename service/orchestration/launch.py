@@ -270,6 +270,7 @@ def fit_and_keep(plan: TrialPlan, in_tune: bool):
     if plan.study.scaling.strategy == "fsdp":  # its checkpoints were kept by its store, not Ray
         return result, fast_path.trial_store(plan).complete()
     if torn:  # Ray knows only the checkpoints since: the trial's store keeps the best of all
+        remove_uncommitted_checkpoints(plan)  # what prune_unregistered removes on the Ray path
         return result, fast_path.trial_store(plan).retained()
     prune_unregistered(plan, result)
     return result, None

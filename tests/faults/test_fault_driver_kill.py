@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -315,10 +316,10 @@ def study_raw_for(baseline, tmp_path) -> dict:
     return raw
 
 
-def test_a_torn_ray_train_record_is_dropped_and_the_rerun_resumes(baseline, tmp_path):
+def test_a_torn_ray_train_record_is_moved_aside_and_the_rerun_resumes(baseline, tmp_path):
     """Ray Train's record of the trial's checkpoints cut short on storage (what a full disk did to
-    it): Ray Train's controller could not start from it, so every rerun failed. The rerun drops
-    it, resumes from the newest committed checkpoint and keeps what an uninterrupted run keeps,
+    it): Ray Train's controller could not start from it, so every rerun failed. The rerun moves
+    it aside, resumes from the newest committed checkpoint and keeps what an uninterrupted run keeps,
     and so does every run of the trial after it."""
     from service.orchestration import launch
 
@@ -335,6 +336,11 @@ def test_a_torn_ray_train_record_is_dropped_and_the_rerun_resumes(baseline, tmp_
     want = sorted(committed(baseline.study_uri, TRIALS[0]))
     assert sorted(committed(study.study_uri, TRIALS[0])) == want
     # Ray's new record knows none of the checkpoints from before it: a run after the rerun (Tune's
-    # retry of a rerun that failed later on) still keeps the best of all, not only those it knows.
+    # retry of a rerun that failed later on) still keeps the best of all, not only those it knows,
+    # and removes what a driver that died mid-copy left (a checkpoint folder with no manifest).
+    half = os.path.join(trial_dir(study.study_uri, TRIALS[0]), "checkpoint_half_copied")
+    shutil.copytree(committed(study.study_uri, TRIALS[0])[STEPS], half)
+    os.remove(os.path.join(half, checkpoint.MANIFEST_FILE))
     launch.run_single(plan)
     assert sorted(committed(study.study_uri, TRIALS[0])) == want
+    assert not os.path.exists(half)
