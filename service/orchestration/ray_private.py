@@ -9,7 +9,6 @@ import os
 import time
 
 import ray
-import ray.tune
 from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR, _enable_token_auth
 from ray._private.state import state
 from ray.core.generated.gcs_pb2 import PlacementGroupTableData
@@ -92,6 +91,7 @@ def report_to_tune(metrics: dict) -> None:
     hung until its job ended, about one two-worker trial in five on two busy CPUs. An empty item
     put behind the controller's last one, which that loop takes and skips, is gone only once
     the loop is done with the item before it."""
+    import ray.tune
     from ray.train._internal.session import get_session
 
     queue = getattr(get_session(), "_inter_actor_queue", None)

@@ -5,20 +5,18 @@ allocators (glibc's arenas, Python's and Arrow's), growing with every trial whil
 objects stay flat (docs/performance.md, docs/scale.md). Run in the coordinator, which lasts the
 whole study, that grew with the study; run here, it goes when the run ends. The callback sends
 each trial event to the coordinator (`Coordinator.trial_event`) and waits for it, so events
-arrive in order and the trial table holds every one of them when the run returns."""
+arrive in order and the trial table holds every one of them when the run returns (the callback:
+`tune_progress`). Ray Tune is imported where a Tune run or trial runs, not where this module is
+(the coordinator's process, which starts every study, and `playbook run`)."""
 
 from __future__ import annotations
 
 import os
 
 import ray
-from ray import tune
-from ray.tune.logger import JsonLoggerCallback
 
 from service.core import storage
-from service.core.trial_status import TrialStatus
 from service.orchestration.worker_console import quiet_tune
-from service.study.layout import StudyLayout
 from service.study.search import Round
 from service.study.spec import Study
 
@@ -30,50 +28,6 @@ TRIAL_DRIVER_MEMORY = 1 << 20
 # Tune restarts a trial whose process died (a fast-path trial resumes from its latest
 # checkpoint; a Ray Train trial's worker failures are retried by Ray Train itself first).
 MAX_TRIAL_RESTARTS = 2
-
-
-class ProgressCallback(tune.Callback):
-    """Sends Tune's trial events to the coordinator. Holds only its handle and the study's
-    layout: Tune pickles its callbacks with the experiment state."""
-
-    def __init__(self, coordinator, layout: StudyLayout):
-        self.coordinator, self.layout = coordinator, layout
-
-    def _send(self, kind: str, trial, *args) -> None:
-        ray.get(self.coordinator.trial_event.remote(kind, trial.config["trial"], *args))
-
-    def on_trial_start(self, iteration, trials, trial, **info):
-        self._send("started", trial)
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        if result.get("summary") and result.get("status") == TrialStatus.FAILED.reported:
-            # A final error: the trial function ended it without a retry (`launch.tune_trial`),
-            # its message already in the trial's error.txt; full storage stops the study too.
-            self._send("stopped" if result.get("stops_study") else "error", trial, result["error"])
-            return
-        self._send("result", trial, {k: v for k, v in result.items() if k != "config"})
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._send("complete", trial)
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        """A trial that failed after Tune's retries: its error's last line to the trial row,
-        the whole of Tune's error file (every attempt's traceback, in Ray's session folder on
-        this node) to the trial's error.txt in the study's storage."""
-        text = ""
-        if trial.error_file:
-            try:
-                with open(trial.error_file) as f:
-                    text = f.read()
-            except OSError:
-                pass
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if not lines:
-            self._send("error", trial, "failed (no error recorded)")
-            return
-        uri = self.layout.trial(trial.config["trial"]["trial_name"]).error_file
-        storage.write_bytes_atomic(uri, text.encode())
-        self._send("error", trial, f"{lines[-1]} (all of it: {uri})")
 
 
 def is_fast_path(scaling) -> bool:
@@ -114,6 +68,8 @@ def trial_resources(study: Study):
     if is_fast_path(scaling):
         return {k.lower(): v for k, v in worker.items()}
     if reuses_workers(study):
+        from ray import tune
+
         return tune.PlacementGroupFactory([worker] * scaling.world_size, strategy=placement_strategy(scaling))
     return {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY}
 
@@ -137,6 +93,8 @@ def study_trainable(study: Study):
     study's own name. Tune looks trainables up by name in a registry shared by the whole Ray
     job, so two studies started from one job under one name would run each other's trials
     (with the other study's spec and storage)."""
+    from ray import tune
+
     trainable = tune.with_parameters(tune_trial, study=study)
     trainable.__name__ = f"playbook-{study.name}"
     return tune.with_resources(trainable, trial_resources(study))
@@ -155,6 +113,8 @@ class TuneRun:
         # A trial's process (and its imports: torch, the workload) serves the run's next
         # trial instead of a new actor per trial. Each trial sets its own seeds, threads and
         # state, so what it computes does not depend on the process it lands in.
+        from ray import tune
+
         tune_config = tune.TuneConfig(max_concurrent_trials=concurrency, reuse_actors=True)
         self._fit(study, name, coordinator, tune_config, {"trial": tune.grid_search(configs)})
 
@@ -163,6 +123,8 @@ class TuneRun:
     ) -> None:
         """A bayesian round's `num_trials` trials, suggested by its searcher one at a time: each
         suggestion sees every result before it, so the round does not depend on finish order."""
+        from ray import tune
+
         from service.orchestration.bayesian_search import round_searcher
 
         searcher = round_searcher(study, rnd, rows, first_index)
@@ -176,6 +138,11 @@ class TuneRun:
         self._tuner(study, name, coordinator, tune_config, param_space, fs, tune_path).fit()
 
     def _tuner(self, study: Study, name: str, coordinator, tune_config, param_space: dict, fs, tune_path):
+        from ray import tune
+        from ray.tune.logger import JsonLoggerCallback
+
+        from service.orchestration.tune_progress import ProgressCallback
+
         return tune.Tuner(
             study_trainable(study),
             param_space=param_space,
