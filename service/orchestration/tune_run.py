@@ -108,6 +108,9 @@ class TuneRun:
         # (an open file, a lock, a thread) in the process after the trial ends.
         os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
         quiet_tune()
+        # Tune imported as the actor starts: the coordinator starts the next run's TuneRun
+        # while the run before it goes on, so that the next one is ready.
+        import service.orchestration.tune_progress  # noqa: F401
 
     def fit(self, study: Study, name: str, configs: list[dict], concurrency: int, coordinator) -> None:
         # A trial's process (and its imports: torch, the workload) serves the run's next
