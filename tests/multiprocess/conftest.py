@@ -1,4 +1,4 @@
-"""Multi-process tests: torch.distributed gloo process groups in spawned processes, no Ray.
+"""Multi-process tests: torch.distributed gloo process groups in forked processes (`helpers.gloo`), no Ray.
 Every test collected under this folder gets the `multiprocess` marker."""
 
 import pytest
