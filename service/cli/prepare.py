@@ -26,12 +26,13 @@ def load_study(path: str, storage_override: str | None = None) -> spec.Study:
 def connect_ray(import_path: list[str] | None = None, verbose: bool = False) -> str | None:
     """Connect to RAY_ADDRESS or start an embedded Ray; every process of the job imports from
     `import_path` first (a workload module of one's own, see `workloads.ray_env`). Ray's own
-    INFO records and Tune's output only when `verbose`. Returns the dashboard URL of an embedded
-    Ray (None when connected to a cluster, or already connected)."""
+    INFO records, Tune's output and Ray's lines of `ray_private.RAY_NOISE` only when `verbose`.
+    Returns the dashboard URL of an embedded Ray (None when connected to a cluster, or already
+    connected)."""
     import ray
 
     from service.orchestration.coordinator import NAMESPACE
-    from service.orchestration.ray_private import token_auth_without_warning
+    from service.orchestration.ray_private import drop_ray_noise, token_auth_without_warning
     from service.orchestration.worker_console import VERBOSE_ENV
 
     if ray.is_initialized():
@@ -54,6 +55,8 @@ def connect_ray(import_path: list[str] | None = None, verbose: bool = False) -> 
             runtime_env={"env_vars": env},
             logging_level=logging.INFO if verbose else logging.WARNING,
         )
+    if not verbose:
+        drop_ray_noise()
     return None if address else context.dashboard_url or None
 
 

@@ -10,6 +10,7 @@ import time
 
 import ray
 from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR, _enable_token_auth
+from ray._private.ray_logging import global_worker_stdstream_dispatcher
 from ray._private.state import state
 from ray.core.generated.gcs_pb2 import PlacementGroupTableData
 from ray.exceptions import RayTaskError
@@ -26,6 +27,31 @@ def token_auth_without_warning() -> None:
     A RAY_AUTH_MODE of the user's own is left as it is."""
     if AUTH_MODE_ENV_VAR not in os.environ:
         _enable_token_auth()
+
+
+RAY_NOISE = ("has constructor arguments in the object store and max_restarts > 0",)
+"""Parts of lines that Ray's own processes print and that no user can act on: Ray Train's
+controller starts a `PreemptionWatcher` actor for every Ray Train run in the way Ray core
+reports as an error (ray-project/ray#53727), one line per trial."""
+
+
+def drop_ray_noise() -> None:
+    """The lines Ray forwards from its processes to this driver, less those of `RAY_NOISE`.
+    Call once, after `ray.init`; Ray's log files keep every line."""
+    dispatcher = global_worker_stdstream_dispatcher
+
+    def without_noise(handler):
+        def handle(data: dict) -> None:
+            lines = [line for line in data["lines"] if not any(n in line for n in RAY_NOISE)]
+            if lines:
+                handler({**data, "lines": lines})
+
+        return handle
+
+    with dispatcher._lock:
+        dispatcher.handlers = [
+            (name, without_noise(h) if name == "ray_print_logs" else h) for name, h in dispatcher.handlers
+        ]
 
 
 def cluster_config() -> dict | None:
