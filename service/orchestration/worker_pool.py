@@ -3,7 +3,7 @@ off): a Tune run's trials share one pool of worker processes and their process g
 CPUs, NCCL on GPUs), instead of a Ray Train controller, placement group and worker group
 started for every trial (docs/performance.md).
 
-- Placement: the trial reserves one bundle per worker through Tune (`tune_run.trial_resources`,
+- Placement: the trial reserves one bundle per worker through Tune (`tune_fit.trial_resources`,
   the placement strategy of a Ray Train trial). World rank 0 is the Tune trial's own process,
   in the first bundle, which trains and reports like the single-worker fast path; the pool's
   actors, one in each other bundle, are world ranks 1.. . A node's workers get consecutive

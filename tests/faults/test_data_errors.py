@@ -158,7 +158,7 @@ def test_another_failure_is_retried_and_its_error_kept_in_storage(ray_cluster, d
     """Not a data error: Tune retries the trial (MAX_TRIAL_RESTARTS), then the row holds the
     error's last line (not a path in Ray's session folder) and error.txt the whole of it."""
     from service.orchestration.coordinator import run_study
-    from service.orchestration.tune_run import MAX_TRIAL_RESTARTS
+    from service.orchestration.tune_fit import MAX_TRIAL_RESTARTS
 
     data = copy_splits(digits_dir, tmp_path / "data", as_text, as_text)
     attempts = tmp_path / "attempts"
