@@ -57,17 +57,21 @@ def audited_cluster(tmp_path, audit: pathlib.Path):
         cluster.close()
 
 
-def study_raw(digits_dir, storage_dir) -> dict:
+LAYOUTS = {"pool": True, "ray-train": False}
+"""The two ways a two-host trial trains, by `scaling.reuse_workers`: on a pool of reused workers
+(the default; world rank 0 is the Tune trial's own process) and as a Ray Train run of its own."""
+
+
+def study_raw(digits_dir, storage_dir, layout: str) -> dict:
     return study_dict(
         digits_dir,
         storage_dir,
         name="partition",
-        # A Ray Train run per trial: the checks read its controller's checkpoint snapshot.
         scaling={
             "num_hosts": 2,
             "workers_per_host": 1,
             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-            "reuse_workers": False,
+            "reuse_workers": LAYOUTS[layout],
         },
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY},
         search={k: {"role": "fixed", "value": v} for k, v in HPARAMS.items()},
@@ -100,8 +104,11 @@ def reference_run(raw: dict, tmp_path) -> tuple[TrialPlan, dict[int, str]]:
     return plan_of(raw), {checkpoint.step_of(d): d for d in folders}
 
 
-def registered_steps(plan: TrialPlan) -> list[int]:
-    """Steps of the checkpoints Ray Train's controller registered (what a restart resumes from)."""
+def resumable_steps(plan: TrialPlan, layout: str) -> list[int]:
+    """Steps a restarted trial can resume from: the checkpoints Ray Train's controller
+    registered (its snapshot), or on a pool the trial's committed checkpoints on storage."""
+    if layout == "pool":
+        return sorted(kept_checkpoints(plan)) if os.path.exists(plan.trial_uri) else []
     with contextlib.suppress(OSError, ValueError, KeyError):
         with open(os.path.join(plan.trial_uri, "checkpoint_manager_snapshot.json")) as f:
             return [r["metrics"]["step"] for r in json.load(f)["checkpoint_results"]]
@@ -173,18 +180,21 @@ def assert_same_trial(plan: TrialPlan, reference: tuple[TrialPlan, dict[int, str
         assert same_nested(vars(got), vars(want)), step
 
 
-def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_returns(digits_dir, tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_returns(
+    digits_dir, tmp_path, layout
+):
     reason = netns_cluster.skip_reason()
     if reason:
         pytest.skip(reason)
     audit = tmp_path / "audit"
     audit.mkdir()
-    raw = study_raw(digits_dir, tmp_path / "storage")
+    raw = study_raw(digits_dir, tmp_path / "storage", layout)
     plan = plan_of(raw)
     with audited_cluster(tmp_path / "netns", audit) as cluster:
         job_id = cluster.submit_study(raw, tmp_path / "work")
-        wait_for("registered checkpoint", lambda: CUT_AFTER_STEP in registered_steps(plan), 480)
-        registered = max(registered_steps(plan))
+        wait_for("resumable checkpoint", lambda: CUT_AFTER_STEP in resumable_steps(plan, layout), 480)
+        registered = max(resumable_steps(plan, layout))
         cut = host_of_rank0(cluster, plan)
         # The study's coordinator and its Tune run live with the driver on the head: a lost
         # worker host costs trials, never the study.
@@ -196,7 +206,7 @@ def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_retu
         down = time.monotonic()
         wait_for("node marked dead", lambda: node_state(cluster, cut) == "DEAD", 120, 0.5)
         detected_s = time.monotonic() - down
-        wait_for("restarted worker group", lambda: attempt_number(plan) >= 2, 300, 0.5)
+        wait_for("restarted trial", lambda: attempt_number(plan) >= 2, 300, 0.5)
         restarted_s = time.monotonic() - down
         assert all(alive(p) for p in stranded[:1])  # still running, unreachable
         cluster.link_up(cut)
@@ -212,15 +222,17 @@ def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_retu
     with open(plan.topology_uri) as f:
         resumed_from = json.load(f)["ranks"][0]["resumed_from_step"]
     (tmp_path / "reference").mkdir()
-    reference = reference_run(study_raw(digits_dir, tmp_path / "reference-storage"), tmp_path / "reference")
+    reference = reference_run(
+        study_raw(digits_dir, tmp_path / "reference-storage", layout), tmp_path / "reference"
+    )
     assert_same_trial(plan, reference)
     assert registered <= resumed_from <= cut_at_step  # from the latest checkpoint, not from scratch
     logs_of = {p: audit / f"{p}.log" for p in stranded}
     late = [p for p, log in logs_of.items() if log.exists() and log.stat().st_mtime > up]
     assert late == [], "stranded processes wrote after their host came back"
     print(
-        f"\npartition of {cut}: node dead after {detected_s:.1f} s, worker group restarted (claimed the "
+        f"\n{layout}: partition of {cut}: node dead after {detected_s:.1f} s, trial restarted (claimed the "
         f"trial) after {restarted_s:.1f} s, stranded processes ended {ended_s:.1f} s after the link came "
-        f"back; cut after step {cut_at_step} (latest registered checkpoint: step {registered}), resumed "
+        f"back; cut after step {cut_at_step} (latest resumable checkpoint: step {registered}), resumed "
         f"from step {resumed_from}"
     )

@@ -136,16 +136,19 @@ def test_make_real_hosts_runs_from_a_clean_working_directory(tmp_path):
     assert "torn down" in out
 
 
-def one_trial_study(digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int):
-    """A study of one trial with every hyperparameter fixed (HPARAMS), as plain data: a Ray
-    Train run (`reuse_workers: false`), whose own records of its workers and checkpoints (its
-    state API, its controller's snapshot) the checks compare with the trial's."""
+def one_trial_study(
+    digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int, reuse_workers=False
+):
+    """A study of one trial with every hyperparameter fixed (HPARAMS), as plain data: by default
+    a Ray Train run (`reuse_workers: false`), whose own records of its workers and checkpoints
+    (its state API, its controller's snapshot) the checks compare with the trial's; or on a pool
+    of reused workers, the default for users, whose ranks Ray's actor table records."""
     batch = 30 if hosts * per_host == 3 else 32  # divisible by the workers
     return study_dict(
         digits_dir,
         storage,
         name=name,
-        scaling={"num_hosts": hosts, "workers_per_host": per_host, "reuse_workers": False},
+        scaling={"num_hosts": hosts, "workers_per_host": per_host, "reuse_workers": reuse_workers},
         training={
             "max_train_steps": steps,
             "eval_every_steps": every,
@@ -226,6 +229,19 @@ def train_attempts(cluster, submission_id: str) -> list[list[dict]]:
     return [sorted(a["workers"], key=lambda w: w["world_rank"]) for a in run["attempts"]]
 
 
+def pool_ranks(cluster, submission_id: str) -> dict[int, str]:
+    """pid -> node IP of every process a pooled trial of the job ran on, alive or ended: its
+    Tune trial's process (world rank 0) and its pool's workers (Ray's actor table)."""
+    job = api(cluster, f"/api/jobs/{submission_id}")["job_id"]
+    actors = api(cluster, "/api/v0/actors?limit=1000&detail=true")["data"]["result"]["result"]
+    ip_of = {n["node_id"]: n["node_ip"] for n in cluster.nodes()}
+    return {
+        a["pid"]: ip_of[a["node_id"]]
+        for a in actors
+        if a["job_id"] == job and a["class_name"] in ("ImplicitFunc", "PoolWorker") and a["pid"]
+    }
+
+
 def kept_checkpoints(plan: TrialPlan) -> dict[int, str]:
     folders = [
         os.path.join(plan.trial_uri, d) for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")
@@ -262,8 +278,9 @@ def read_topology(plan: TrialPlan) -> dict:
 
 def assert_hosts_are_namespaces(cluster, job_id: str, plan: TrialPlan, hosts: int, per_host: int) -> None:
     """Every host rank of topology.json ran on its own worker namespace's address, and Ray Train
-    saw the same workers there, with its node_rank (by IP) equal to the host rank; each host
-    read its own files and together all of them."""
+    saw the same workers there, with its node_rank (by IP) equal to the host rank (on a pool:
+    Ray's actor table has each rank's process on that address); each host read its own files
+    and together all of them."""
     topology = read_topology(plan)
     ranks = sorted(topology["ranks"], key=lambda r: r["world_rank"])
     ips = node_ips(cluster, topology)
@@ -274,10 +291,14 @@ def assert_hosts_are_namespaces(cluster, job_id: str, plan: TrialPlan, hosts: in
     assert len(set(ips)) == hosts and set(ips) <= worker_addresses
     assert all(ips[w] == ips[w - w % per_host] for w in range(len(ips)))  # a host's ranks share its IP
 
-    workers = train_attempts(cluster, job_id)[-1]
-    assert [w["node_ip"] for w in workers] == ips
-    assert [w["pid"] for w in workers] == [r["pid"] for r in ranks]
-    assert [w["node_rank"] for w in workers] == [r["host_rank"] for r in ranks]
+    if plan.study.scaling.reuse_workers:
+        ran = pool_ranks(cluster, job_id)
+        assert [ran.get(r["pid"]) for r in ranks] == ips
+    else:
+        workers = train_attempts(cluster, job_id)[-1]
+        assert [w["node_ip"] for w in workers] == ips
+        assert [w["pid"] for w in workers] == [r["pid"] for r in ranks]
+        assert [w["node_rank"] for w in workers] == [r["host_rank"] for r in ranks]
 
     opened = [set().union(*(r["train_files"] for r in ranks if r["host_rank"] == h)) for h in range(hosts)]
     assert sum(len(o) for o in opened) == len(set().union(*opened))  # disjoint
@@ -348,17 +369,27 @@ def training_only_host(cluster, plan: TrialPlan) -> str:
     raise AssertionError(f"every host of ranks 1.. runs a controller: {ips}")
 
 
-def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tmp_path):
-    """The trial on 3 hosts x 1 worker; every process of a worker host SIGKILLed once a
-    checkpoint is registered (its link stays up: peers see its sockets reset), a replacement
-    host added once Ray marks the node dead: the trial resumes from its latest registered
-    checkpoint on the new host, runs on 3 namespaces again (checked as the other layouts are),
-    and ends bitwise equal to the uninterrupted reference. Prints what the loss cost."""
-    raw = one_trial_study(digits_dir, tmp_path / "storage", "hostlost", 3, 1, STEPS, EVERY)
+@pytest.mark.parametrize("layout", ["pool", "ray-train"])
+def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tmp_path, layout):
+    """The trial on 3 hosts x 1 worker, on a pool of reused workers (the default) and as a Ray
+    Train run; every process of a worker host SIGKILLed once a checkpoint is resumable (its
+    link stays up: peers see its sockets reset), a replacement host added once Ray marks the
+    node dead: the trial resumes from its latest resumable checkpoint on the new host, runs on 3
+    namespaces again (checked as the other layouts are), and ends bitwise equal to the
+    uninterrupted reference. Prints what the loss cost."""
+    pool = layout == "pool"
+
+    def study(storage):
+        return one_trial_study(digits_dir, storage, "hostlost", 3, 1, STEPS, EVERY, reuse_workers=pool)
+
+    raw = study(tmp_path / "storage")
     plan = plan_of(raw)
     job_id = cluster.submit_study(raw, tmp_path / "work")
-    registered = wait_until(lambda: registered_steps(plan), JOB_TIMEOUT_S)
-    assert registered, "no checkpoint was registered"
+    # What a restart resumes from: the pool's trial reads its committed checkpoints; a Ray Train
+    # run those its controller registered.
+    resumable = (lambda: committed_steps(plan)) if pool else (lambda: registered_steps(plan))
+    registered = wait_until(resumable, JOB_TIMEOUT_S)
+    assert registered, "no checkpoint was resumable"
     victim = training_only_host(cluster, plan)
     logged = read_log(plan)[-1]["step"]
     address = cluster.hosts[victim].address
@@ -370,8 +401,7 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tm
     cluster.add_host(f"{victim}-new")
     resumed = wait_until(lambda: read_topology(plan)["ranks"][0]["resumed_from_step"], JOB_TIMEOUT_S, 0.2)
     resumed_s = time.time() - killed_at
-    ref_raw = one_trial_study(digits_dir, tmp_path / "ref-storage", "hostlost", 3, 1, STEPS, EVERY)
-    reference = reference_run(ref_raw, tmp_path / "ref")  # trains while the job ends its trial
+    reference = reference_run(study(tmp_path / "ref-storage"), tmp_path / "ref")  # trains while the job ends
     logs = finish(cluster, job_id)
     assert f"best trial: {TRIAL}" in logs
 
@@ -379,13 +409,16 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tm
     ips = node_ips(cluster, read_topology(plan))
     assert address not in ips and cluster.hosts[f"{victim}-new"].address in ips
     assert max(registered) <= resumed == ranks[0]["resumed_from_step"] <= logged
-    attempts = train_attempts(cluster, job_id)
-    assert address in [w["node_ip"] for w in attempts[0]] and [w["node_ip"] for w in attempts[-1]] == ips
+    if pool:
+        assert address in pool_ranks(cluster, job_id).values()  # the first attempt ran there
+    else:
+        attempts = train_attempts(cluster, job_id)
+        assert address in [w["node_ip"] for w in attempts[0]] and [w["node_ip"] for w in attempts[-1]] == ips
     assert_hosts_are_namespaces(cluster, job_id, plan, hosts=3, per_host=1)
     assert_same_trial(plan, reference)
     print(
-        f"host lost: node marked dead {detected_s:.1f} s after the kill; training resumed from step "
-        f"{resumed} {resumed_s:.1f} s after it; steps recomputed: {logged - resumed} to "
+        f"{layout}: host lost: node marked dead {detected_s:.1f} s after the kill; training resumed from "
+        f"step {resumed} {resumed_s:.1f} s after it; steps recomputed: {logged - resumed} to "
         f"{logged + EVERY - 1 - resumed} (the kill came between steps {logged} and {logged + EVERY}); "
         f"the job ran {job_seconds(cluster, job_id):.1f} s"
     )
