@@ -145,20 +145,36 @@ def test_a_trial_table_write_that_meets_a_full_disk_names_the_file_and_keeps_the
         assert [(r["status"], r["step"]) for r in read_rows(table.study_uri)] == [("FINISHED", 20)]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
+    """The study's outcome without a full disk, by number of workers, each run once: the
+    two-worker layouts share one, run on the pool, as a trial trains the same on a pool and as a
+    Ray Train run (tests/ray/test_worker_pool.py)."""
+    from service.orchestration.coordinator import run_study
+
+    outcomes = {}
+
+    def of(workers: int):
+        if workers not in outcomes:
+            layout = "fast-path" if workers == 1 else "pool"
+            reference = spec.load_dict(study_of(digits_dir, tmp_path_factory.mktemp("reference"), layout))
+            run_study(reference)
+            outcomes[workers] = outcome(reference)
+        return outcomes[workers]
+
+    return of
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", TRIAL_LAYOUTS)
 def test_a_full_disk_fails_the_trial_in_one_line_and_a_rerun_resumes(
-    ray_cluster, digits_dir, tmp_path, layout
+    ray_cluster, digits_dir, tmp_path, layout, uninterrupted
 ):
     """One worker, or two on reused workers: the trial's own checkpoint store meets ENOSPC. Two
     as a Ray Train run: Ray Train's copy of rank 0's checkpoint to storage (or its controller's
     snapshot) does; it prints its worker's traceback itself (a line Ray forwards, left out
     here), and the error names the trial's folder."""
-    from service.orchestration.coordinator import run_study
-
-    reference = spec.load_dict(study_of(digits_dir, tmp_path / "reference", layout))
-    run_study(reference)
-    want_row, want_log, want_kept = outcome(reference)
+    want_row, want_log, want_kept = uninterrupted(TRIAL_LAYOUTS[layout]["workers_per_host"])
 
     with small_disk(tmp_path / "disk", 16) as disk:
         raw = study_of(digits_dir, os.path.join(disk, "storage"), layout)
