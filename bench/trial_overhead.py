@@ -172,7 +172,7 @@ def service_round(data: str, storage: str, tune_dir: str, name: str, scaling: di
     (study, trial names, wall time, the trials' results)."""
     from ray import tune
 
-    from service.orchestration.tune_run import study_trainable
+    from service.orchestration.tune_fit import study_trainable
 
     study = service_study(data, storage, f"bench-{name}", scaling)
     names = [f"{name}-{i:04d}" for i in range(trials)]
@@ -250,7 +250,7 @@ def run() -> dict:
 
     from service.cli.prepare import train_poll_env
     from service.data.builtin import write_digits
-    from service.orchestration.tune_run import study_trainable
+    from service.orchestration.tune_fit import study_trainable
 
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     os.environ.update(train_poll_env())  # Ray Train's poll interval as `playbook run` sets it
