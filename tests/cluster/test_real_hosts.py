@@ -4,7 +4,8 @@ root namespace. Each trial is compared with the same trial trained without Ray o
 `loop.train` in one gloo process per rank on this machine (tests/helpers/gloo.py), each given
 the world, host and local rank the layout assigns. The hosts are checked against what the
 network says: Ray's node table (the IP of each node id in topology.json) and Ray Train's own
-record of its workers (their node IP, node_rank and pid). First, `make real-hosts`'s entry point
+record of its workers (their node IP, node_rank and pid), or on a pool of reused workers Ray's
+actor table (each rank's process, its pid and node). First, `make real-hosts`'s entry point
 run from a clean working directory, as on a fresh clone."""
 
 from __future__ import annotations
