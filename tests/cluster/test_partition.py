@@ -25,9 +25,9 @@ from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from tests.helpers import netns_cluster
-from tests.helpers.one_worker_trials import logged_steps, wait_for
+from tests.helpers.one_worker_trials import committed_steps, logged_steps, wait_for
 from tests.helpers.ray_head import wait_for_job
-from tests.helpers.studies import same_nested, study_dict
+from tests.helpers.studies import TRIAL_LAYOUTS, same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -57,21 +57,18 @@ def audited_cluster(tmp_path, audit: pathlib.Path):
         cluster.close()
 
 
-LAYOUTS = {"pool": True, "ray-train": False}
-"""The two ways a two-host trial trains, by `scaling.reuse_workers`: on a pool of reused workers
-(the default; world rank 0 is the Tune trial's own process) and as a Ray Train run of its own."""
-
-
 def study_raw(digits_dir, storage_dir, layout: str) -> dict:
     return study_dict(
         digits_dir,
         storage_dir,
         name="partition",
+        # On a pool of reused workers (the default; world rank 0 is the Tune trial's own
+        # process) or as a Ray Train run of its own.
         scaling={
+            **TRIAL_LAYOUTS[layout],
             "num_hosts": 2,
             "workers_per_host": 1,
             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-            "reuse_workers": LAYOUTS[layout],
         },
         training={"max_train_steps": STEPS, "eval_every_steps": EVERY},
         search={k: {"role": "fixed", "value": v} for k, v in HPARAMS.items()},
@@ -108,7 +105,7 @@ def resumable_steps(plan: TrialPlan, layout: str) -> list[int]:
     """Steps a restarted trial can resume from: the checkpoints Ray Train's controller
     registered (its snapshot), or on a pool the trial's committed checkpoints on storage."""
     if layout == "pool":
-        return sorted(kept_checkpoints(plan)) if os.path.exists(plan.trial_uri) else []
+        return committed_steps(plan)
     with contextlib.suppress(OSError, ValueError, KeyError):
         with open(os.path.join(plan.trial_uri, "checkpoint_manager_snapshot.json")) as f:
             return [r["metrics"]["step"] for r in json.load(f)["checkpoint_results"]]
@@ -180,7 +177,7 @@ def assert_same_trial(plan: TrialPlan, reference: tuple[TrialPlan, dict[int, str
         assert same_nested(vars(got), vars(want)), step
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ["pool", "ray-train"])
 def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_returns(
     digits_dir, tmp_path, layout
 ):
@@ -194,7 +191,7 @@ def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_retu
     with audited_cluster(tmp_path / "netns", audit) as cluster:
         job_id = cluster.submit_study(raw, tmp_path / "work")
         wait_for("resumable checkpoint", lambda: CUT_AFTER_STEP in resumable_steps(plan, layout), 480)
-        registered = max(resumable_steps(plan, layout))
+        resumable = max(resumable_steps(plan, layout))
         cut = host_of_rank0(cluster, plan)
         # The study's coordinator and its Tune run live with the driver on the head: a lost
         # worker host costs trials, never the study.
@@ -226,13 +223,13 @@ def test_a_partitioned_host_fails_the_trial_over_and_writes_nothing_when_it_retu
         study_raw(digits_dir, tmp_path / "reference-storage", layout), tmp_path / "reference"
     )
     assert_same_trial(plan, reference)
-    assert registered <= resumed_from <= cut_at_step  # from the latest checkpoint, not from scratch
+    assert resumable <= resumed_from <= cut_at_step  # from the latest checkpoint, not from scratch
     logs_of = {p: audit / f"{p}.log" for p in stranded}
     late = [p for p, log in logs_of.items() if log.exists() and log.stat().st_mtime > up]
     assert late == [], "stranded processes wrote after their host came back"
     print(
         f"\n{layout}: partition of {cut}: node dead after {detected_s:.1f} s, trial restarted (claimed the "
         f"trial) after {restarted_s:.1f} s, stranded processes ended {ended_s:.1f} s after the link came "
-        f"back; cut after step {cut_at_step} (latest resumable checkpoint: step {registered}), resumed "
+        f"back; cut after step {cut_at_step} (latest resumable checkpoint: step {resumable}), resumed "
         f"from step {resumed_from}"
     )

@@ -34,7 +34,7 @@ from service.study import spec
 from tests.helpers import netns_cluster
 from tests.helpers.gloo import run_gloo
 from tests.helpers.ray_head import wait_for_job
-from tests.helpers.studies import same_nested, study_dict
+from tests.helpers.studies import TRIAL_LAYOUTS, same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -138,18 +138,19 @@ def test_make_real_hosts_runs_from_a_clean_working_directory(tmp_path):
 
 
 def one_trial_study(
-    digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int, reuse_workers=False
+    digits_dir, storage, name: str, hosts: int, per_host: int, steps: int, every: int, layout="ray-train"
 ):
     """A study of one trial with every hyperparameter fixed (HPARAMS), as plain data: by default
     a Ray Train run (`reuse_workers: false`), whose own records of its workers and checkpoints
     (its state API, its controller's snapshot) the checks compare with the trial's; or on a pool
-    of reused workers, the default for users, whose ranks Ray's actor table records."""
+    of reused workers (`layout="pool"`, the default for users), whose ranks Ray's actor table
+    records."""
     batch = 30 if hosts * per_host == 3 else 32  # divisible by the workers
     return study_dict(
         digits_dir,
         storage,
         name=name,
-        scaling={"num_hosts": hosts, "workers_per_host": per_host, "reuse_workers": reuse_workers},
+        scaling={**TRIAL_LAYOUTS[layout], "num_hosts": hosts, "workers_per_host": per_host},
         training={
             "max_train_steps": steps,
             "eval_every_steps": every,
@@ -381,7 +382,7 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tm
     pool = layout == "pool"
 
     def study(storage):
-        return one_trial_study(digits_dir, storage, "hostlost", 3, 1, STEPS, EVERY, reuse_workers=pool)
+        return one_trial_study(digits_dir, storage, "hostlost", 3, 1, STEPS, EVERY, layout)
 
     raw = study(tmp_path / "storage")
     plan = plan_of(raw)

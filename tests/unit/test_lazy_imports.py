@@ -19,11 +19,13 @@ def own_imports():
     for folder in OWN:
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in OWN:
-                    yield from ((where, node.module, a.name) for a in node.names)
+                    names = [(node.module, a.name) for a in node.names]
                 elif isinstance(node, ast.Import):
-                    yield from ((where, a.name, None) for a in node.names if a.name.split(".")[0] in OWN)
+                    names = [(a.name, None) for a in node.names if a.name.split(".")[0] in OWN]
+                else:
+                    continue
+                yield from ((f"{path.relative_to(ROOT)}:{node.lineno}", *n) for n in names)
 
 
 def missing(module: str, name: str | None) -> str | None:
