@@ -102,13 +102,13 @@ def test_a_stranded_single_worker_attempt_writes_nothing_into_its_trial(digits_d
         for name in HOSTS:
             cluster.add_host(name, cpus=1)
         job_id = cluster.submit_study(raw, tmp_path / "work")
-        wait_for("committed checkpoint", lambda: committed_steps(plan), JOB_TIMEOUT_S, 0.1)
+        wait_for("committed checkpoint", lambda: committed_steps(plan.trial_uri), JOB_TIMEOUT_S, 0.1)
         first = attempt_of(plan)
         cut = next(name for name, h in cluster.hosts.items() if h.namespace == first.host)
         stranded = netns_cluster.namespace_pids(cluster.hosts[cut].namespace)
         os.kill(first.pid, signal.SIGSTOP)  # the trial's own process, which holds attempt 1
         cluster.link_down(cut)
-        cut_at = {"committed": committed_steps(plan), "logged": max(logged_steps(plan), default=0)}
+        cut_at = {"committed": committed_steps(plan.trial_uri), "logged": max(logged_steps(plan), default=0)}
         assert cut_at["logged"] <= STEPS - 2 * EVERY, "the trial was nearly over before the cut"
         written_before = audited(audit, stranded)
         down = time.monotonic()

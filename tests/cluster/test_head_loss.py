@@ -77,7 +77,7 @@ def cut_point(study_uri: str, last: TrialPlan) -> bool:
     logged = logged_steps(last)
     return (
         statuses(study_uri).get(TRIALS[0]) == "FINISHED"
-        and bool(committed_steps(last))
+        and bool(committed_steps(last.trial_uri))
         and max(logged, default=0) <= STEPS - 2 * EVERY
     )
 
@@ -111,7 +111,7 @@ def test_a_lost_head_is_replaced_and_the_resubmitted_study_resumes(digits_dir, t
         cluster.submit_study(raw, tmp_path / "work")
         wait_for("cut point", lambda: cut_point(study_uri, last), JOB_TIMEOUT_S, 0.1)
         killed = cluster.kill_host("head")
-        cut = {"committed": committed_steps(last), "logged": max(logged_steps(last))}
+        cut = {"committed": committed_steps(last.trial_uri), "logged": max(logged_steps(last))}
         finished = folder_state(first.trial_uri)
         lost = time.monotonic()
         worker.process.wait(timeout=180)  # `ray start --block` ends once its raylet gave up on the GCS
@@ -122,7 +122,7 @@ def test_a_lost_head_is_replaced_and_the_resubmitted_study_resumes(digits_dir, t
         worker_gone_s = time.monotonic() - lost
         # The trial process may commit one more checkpoint before its report to the dead Tune
         # run blocks: the rerun resumes from the latest one on storage.
-        at_restart = committed_steps(last)
+        at_restart = committed_steps(last.trial_uri)
         cluster.restart_head()
         cluster.rejoin("h1", cpus=1)
         job_id = cluster.submit_study(raw, tmp_path / "work")

@@ -105,7 +105,7 @@ def resumable_steps(plan: TrialPlan, layout: str) -> list[int]:
     """Steps a restarted trial can resume from: the checkpoints Ray Train's controller
     registered (its snapshot), or on a pool the trial's committed checkpoints on storage."""
     if layout == "pool":
-        return committed_steps(plan)
+        return committed_steps(plan.trial_uri)
     with contextlib.suppress(OSError, ValueError, KeyError):
         with open(os.path.join(plan.trial_uri, "checkpoint_manager_snapshot.json")) as f:
             return [r["metrics"]["step"] for r in json.load(f)["checkpoint_results"]]

@@ -27,12 +27,12 @@ import pytest
 
 from service.data.files import list_files
 from service.distributed import checkpoint
-from service.distributed.checkpoint_store import CheckpointStore
 from service.distributed.topology import Topology
 from service.planning.trial import TrialPlan
 from service.study import spec
 from tests.helpers import netns_cluster
 from tests.helpers.gloo import run_gloo
+from tests.helpers.one_worker_trials import committed_steps, resumed_from, wait_for
 from tests.helpers.ray_head import wait_for_job
 from tests.helpers.studies import TRIAL_LAYOUTS, same_nested, study_dict
 from tests.helpers.trainer_runs import Reporter, read_log, without_timing
@@ -332,16 +332,6 @@ def registered_steps(plan: TrialPlan) -> list[int]:
         return []
 
 
-def wait_until(condition, timeout_s: float, every_s: float = 0.05):
-    """condition()'s first truthy value, polled; None after `timeout_s`."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if value := condition():
-            return value
-        time.sleep(every_s)
-    return None
-
-
 CONTROL_ACTORS = ("TrainController", "ImplicitFunc", "TuneRun", "Coordinator")
 """Ray process titles of the actors that drive a trial: Ray Train's controller, the Tune trial,
 the study's Tune run and coordinator."""
@@ -389,19 +379,18 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tm
     job_id = cluster.submit_study(raw, tmp_path / "work")
     # What a restart resumes from: the pool's trial reads its committed checkpoints; a Ray Train
     # run those its controller registered.
-    resumable = (lambda: committed_steps(plan)) if pool else (lambda: registered_steps(plan))
-    registered = wait_until(resumable, JOB_TIMEOUT_S)
-    assert registered, "no checkpoint was resumable"
+    resumable = (lambda: committed_steps(plan.trial_uri)) if pool else (lambda: registered_steps(plan))
+    registered = wait_for("resumable checkpoint", resumable, JOB_TIMEOUT_S, 0.05)
     victim = training_only_host(cluster, plan)
     logged = read_log(plan)[-1]["step"]
     address = cluster.hosts[victim].address
     killed_at = time.time()
     assert cluster.kill_host(victim)
-    dead = wait_until(lambda: node_state(cluster, address) == "DEAD", 60, 0.2)
+    wait_for("node marked dead", lambda: node_state(cluster, address) == "DEAD", 60)
     detected_s = time.time() - killed_at
-    assert dead and logged < STEPS, f"node not marked dead in 60 s, or the trial ended (step {logged})"
+    assert logged < STEPS, f"the trial ended (step {logged}) before its host was killed"
     cluster.add_host(f"{victim}-new")
-    resumed = wait_until(lambda: read_topology(plan)["ranks"][0]["resumed_from_step"], JOB_TIMEOUT_S, 0.2)
+    resumed = wait_for("resumed trial", lambda: resumed_from(plan), JOB_TIMEOUT_S)
     resumed_s = time.time() - killed_at
     reference = reference_run(study(tmp_path / "ref-storage"), tmp_path / "ref")  # trains while the job ends
     logs = finish(cluster, job_id)
@@ -426,14 +415,6 @@ def test_a_killed_host_is_replaced_and_the_trial_resumes(cluster, digits_dir, tm
     )
 
 
-def committed_steps(plan: TrialPlan) -> list[int]:
-    """Steps of the trial's committed checkpoints (a sharded trial keeps them itself), listed
-    without touching what its ranks are writing."""
-    tr = plan.study.training
-    store = CheckpointStore(plan.trial_uri, tr.num_checkpoints_to_keep, tr.metric, tr.mode, clean=False)
-    return [m["step"] for _, m in store.complete()] if os.path.exists(plan.trial_uri) else []
-
-
 def shard_files(plan: TrialPlan, step: int) -> dict[str, bytes]:
     folder = pathlib.Path(plan.trial_uri) / f"checkpoint_{step:08d}" / "model"
     return {p.name: p.read_bytes() for p in folder.glob("__*.distcp")}
@@ -454,12 +435,12 @@ def test_a_killed_host_of_an_fsdp_trial_resumes_from_its_sharded_checkpoint(clus
     raw = fsdp_study(tmp_path / "storage")
     plan = plan_of(raw)
     job_id = cluster.submit_study(raw, tmp_path / "work")
-    committed = wait_until(lambda: committed_steps(plan), JOB_TIMEOUT_S)
-    assert committed, "no sharded checkpoint was committed"
+    committed = wait_for("sharded checkpoint", lambda: committed_steps(plan.trial_uri), JOB_TIMEOUT_S, 0.05)
     victim = training_only_host(cluster, plan)
     logged, address = read_log(plan)[-1]["step"], cluster.hosts[victim].address
     assert cluster.kill_host(victim)
-    assert wait_until(lambda: node_state(cluster, address) == "DEAD", 60, 0.2) and logged < STEPS
+    wait_for("node marked dead", lambda: node_state(cluster, address) == "DEAD", 60)
+    assert logged < STEPS, f"the trial ended (step {logged}) before its host was killed"
     cluster.add_host(f"{victim}-new")
     reference = plan_of(fsdp_study(tmp_path / "ref-storage"))
     (tmp_path / "ref").mkdir()
@@ -470,6 +451,6 @@ def test_a_killed_host_of_an_fsdp_trial_resumes_from_its_sharded_checkpoint(clus
     assert address not in node_ips(cluster, read_topology(plan))
     assert max(committed) <= ranks[0]["resumed_from_step"] <= logged
     assert [without_timing(r) for r in read_log(plan)] == [without_timing(r) for r in read_log(reference)]
-    assert committed_steps(plan) == committed_steps(reference)
-    for step in committed_steps(plan):
+    assert committed_steps(plan.trial_uri) == committed_steps(reference.trial_uri)
+    for step in committed_steps(plan.trial_uri):
         assert len(shard_files(plan, step)) == 3 and shard_files(plan, step) == shard_files(reference, step)

@@ -33,11 +33,12 @@ def logged_steps(plan: TrialPlan) -> list[int]:
     return []
 
 
-def committed_steps(plan: TrialPlan) -> list[int]:
-    """Steps of the trial's complete checkpoints on storage (what a restart resumes from)."""
+def committed_steps(trial_dir: str) -> list[int]:
+    """Steps of the complete checkpoints (sharded ones too) of the trial in local folder
+    `trial_dir`: what a restart resumes from. A checkpoint pruned while listed is left out."""
     with contextlib.suppress(OSError):
-        names = [d for d in os.listdir(plan.trial_uri) if d.startswith("checkpoint_")]
-        folders = [os.path.join(plan.trial_uri, d) for d in names]
+        names = [d for d in os.listdir(trial_dir) if d.startswith("checkpoint_")]
+        folders = [os.path.join(trial_dir, d) for d in names]
         return sorted(checkpoint.step_of(d) for d in folders if checkpoint.is_complete(d))
     return []
 
@@ -77,7 +78,7 @@ def assert_same_trial(plan: TrialPlan, ref_plan: TrialPlan, ref_checkpoints: dic
     step; history without timings) equal the reference's; the last step's is kept."""
     logs = [json.dumps([without_timing(r) for r in read_log(p)]) for p in (plan, ref_plan)]
     assert logs[0] == logs[1], plan.trial_name
-    kept = committed_steps(plan)
+    kept = committed_steps(plan.trial_uri)
     assert plan.max_train_steps in kept and set(kept) <= set(ref_checkpoints), (kept, sorted(ref_checkpoints))
     for step in kept:
         got = checkpoint.load(plan.layout.checkpoint(step))

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.study import spec
+from tests.helpers.one_worker_trials import committed_steps
 from tests.helpers.studies import folder_state, free_cpus_after_study, study_dict
 
 pytestmark = pytest.mark.ray
@@ -202,7 +203,7 @@ def test_a_study_interrupted_in_an_appended_round_finishes_it_on_a_rerun(ray_clu
     while time.time() < deadline and at_kill is None:
         done = {n: r["status"] for n, r in _stored_rows(uri).items()}
         second = os.path.join(uri, "trials", "more-0001")
-        committed = _committed_steps(second)
+        committed = committed_steps(second)
         if done.get("more-0000") == "FINISHED" and committed and done.get("more-0001") != "FINISHED":
             ray_cluster.kill(ray_cluster.get_actor(actor_name(study.name)))
             at_kill = {
@@ -241,16 +242,6 @@ def _stored_rows(uri: str) -> dict[str, dict]:
         return rows(uri)
     except (OSError, ValueError):
         return {}
-
-
-def _committed_steps(trial_dir: str) -> list[int]:
-    from service.distributed import checkpoint
-
-    try:
-        dirs = [os.path.join(trial_dir, d) for d in os.listdir(trial_dir) if d.startswith("checkpoint_")]
-        return [checkpoint.step_of(d) for d in dirs if checkpoint.is_complete(d)]
-    except OSError:  # not there yet, or a checkpoint pruned while listed
-        return []
 
 
 def _wait_gone(ray, name: str) -> None:
