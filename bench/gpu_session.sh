@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a session runs on a lent GPU machine (the `device` tool), in one call: the profile of the
 # service's lm and cnn GPU steps against bare loops (bench.gpu_profile), whether two NCCL ranks can
-# share the one GPU (what an FSDP trial on one device would need), then every figure of bench.gpu.
+# share the one GPU (what an FSDP trial on one device would need), the CUDA tests (tests/unit/*_cuda.py),
+# then every figure of bench.gpu.
 # Everything lands in $OUT (bench/gpu-out without it). Needs CUDA, not Ray.
 #
 #     bash bench/gpu_session.sh
@@ -25,6 +26,7 @@ def rank(r):
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
 mp.start_processes(rank, nprocs=2, start_method="fork")  # spawn cannot re-import a script read from stdin
 PY
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/unit/*_cuda.py || echo "CUDA tests: exit $?"
 timeout "${GPU_TIMEOUT:-330}" python3 -m bench.gpu > "$out/gpu.log" 2>&1
 echo "bench.gpu: exit $?"
 tail -n 40 "$out/gpu.log"

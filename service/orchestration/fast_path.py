@@ -13,13 +13,14 @@ TorchTrainer.fit's fixed cost, docs/performance.md). What Ray Train did for it i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import ray
 import ray.tune
 import torch
 
-from service.distributed import fence
+from service.distributed import devices, fence
 from service.distributed.checkpoint import TrialState
 from service.distributed.checkpoint_store import AsyncCheckpointer, CheckpointStore, SyncCheckpointer
 from service.distributed.sharded import ShardedCheckpointStore
@@ -81,8 +82,11 @@ def train_rank(
 
 
 def trial_device(scaling) -> torch.device:
-    """The trial process's device: its one GPU (Ray makes it the only one it sees) or the CPU."""
-    return torch.device("cuda") if scaling.use_gpu else torch.device("cpu")
+    """The trial process's device: the CPU, or the GPU Ray gave it, by its place among those the
+    process sees (it alone, or a pool's GPUs on its node: `distributed.devices`)."""
+    if not scaling.use_gpu:
+        return torch.device("cpu")
+    return torch.device("cuda", devices.gpu_index(os.environ.get(devices.VISIBLE_ENV), ray.get_gpu_ids()))
 
 
 def train_in_trial(

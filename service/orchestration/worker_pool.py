@@ -11,6 +11,9 @@ started for every trial (docs/performance.md).
   as on Ray Train (`topology.placement`). Ray Data input workers, where the study asks for
   them, are started by each rank outside the trial's placement group, as from a Ray Train
   worker.
+- GPUs: every rank sees the trial's GPUs on its node and trains on its own
+  (`distributed.devices`), as a Ray Train worker group's workers do, so that NCCL can use
+  CUDA IPC and NVLink between them.
 - Start: the trial's process starts the pool's actors before it imports the trainer
   (`tune_run.tune_trial`), and each actor imports the trainer as it starts: both sides import
   at once, rather than the actors only once rank 0 is done.
@@ -29,6 +32,7 @@ started for every trial (docs/performance.md).
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -38,16 +42,19 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.distributed import fence
+from service.distributed import devices, fence
 from service.distributed.topology import Topology, rank_topology, world_order
 from service.orchestration import worker_console
 from service.orchestration.tune_run import worker_env
 from service.planning.trial import TrialPlan
 
 if TYPE_CHECKING:  # torch and the trainer are imported once the pool's actors are starting
+    import torch
+
     from service.trainer import loop
 
 WATCH_INTERVAL_S = 0.2
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _pool: WorkerPool | None = None
 """This trial process's pool, kept for the Tune run's next trial."""
 
@@ -82,6 +89,27 @@ def import_trainer() -> None:
     from service.orchestration import fast_path, launch  # noqa: F401
 
 
+def own_placement() -> tuple[str, list[str]]:
+    """This process's node id and the ids of the GPUs Ray gave it."""
+    return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+
+def see_gpus(scaling, visible: str) -> torch.device:
+    """Make this process see the GPUs `visible` (a CUDA_VISIBLE_DEVICES value that includes its
+    own) and use its own; that device. CUDA reads the variable once, as it starts in the
+    process: nothing before a pool's first trial touches CUDA (a process where it had would
+    not find its GPU at the index set here, and fail)."""
+    import torch
+
+    from service.orchestration import fast_path
+
+    os.environ[devices.VISIBLE_ENV] = visible
+    device = fast_path.trial_device(scaling)  # what the pool's trials train on
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    return device
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -95,13 +123,23 @@ def backend(scaling) -> str:
 
 def join_group(scaling, address: str, rank: int, world_size: int) -> None:
     """This process as `rank` of the pool's process group, whose collectives fail after
-    `scaling.collective_timeout_s` (as a Ray Train worker group's do, `launch.torch_config`)."""
+    `scaling.collective_timeout_s` (as a Ray Train worker group's do, `launch.torch_config`);
+    under NCCL, as there, a timed-out collective ends the process unless the job says otherwise."""
     import torch.distributed as dist
 
+    os.environ.update(error_handling_env(scaling, os.environ))
     timeout = datetime.timedelta(seconds=scaling.collective_timeout_s)
     dist.init_process_group(
         backend(scaling), init_method=address, rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+def error_handling_env(scaling, environ) -> dict[str, str]:
+    """What Ray Train sets before an NCCL group starts: a collective that times out ends the
+    process (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING=1), unless `environ` chooses already."""
+    if backend(scaling) != "nccl" or {NCCL_ERROR_HANDLING, "TORCH_NCCL_BLOCKING_WAIT"} & set(environ):
+        return {}
+    return {NCCL_ERROR_HANDLING: "1"}
 
 
 @ray.remote
@@ -114,8 +152,11 @@ class PoolWorker:
         worker_console.quiet_exit_on_sigterm()
         import_trainer()  # while rank 0 imports it too
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def placement(self) -> tuple[str, list[str]]:
+        return own_placement()
+
+    def see_gpus(self, scaling, visible: str) -> torch.device:
+        return see_gpus(scaling, visible)
 
     def join(self, scaling, address: str, rank: int, world_size: int) -> None:
         join_group(scaling, address, rank, world_size)
@@ -144,13 +185,30 @@ class WorkerPool:
         if self.topologies:
             return
         import_trainer()  # while the actors start
-        rank0_node = ray.get_runtime_context().get_node_id()
-        nodes = ray.get([w.node_id.remote() for w in self.workers])
-        order = world_order(rank0_node, nodes)
-        self.workers = [self.workers[i] for i in order]
-        node_ids = [rank0_node, *(nodes[i] for i in order)]
-        self.topologies = [rank_topology(node_ids, rank) for rank in range(len(node_ids))]
+        placements = self._place()
+        if self.scaling.use_gpu:
+            self._share_gpus(placements)
         self._join()
+
+    def _place(self) -> list[tuple[str, list[str]]]:
+        """Put the actors in world rank order and set every rank's topology; each rank's (node
+        id, GPU ids), by world rank."""
+        rank0 = own_placement()
+        placed = ray.get([w.placement.remote() for w in self.workers])
+        order = world_order(rank0[0], [node for node, _ in placed])
+        self.workers = [self.workers[i] for i in order]
+        placements = [rank0, *(placed[i] for i in order)]
+        node_ids = [node for node, _ in placements]
+        self.topologies = [rank_topology(node_ids, rank) for rank in range(len(node_ids))]
+        return placements
+
+    def _share_gpus(self, placements: list[tuple[str, list[str]]]) -> list[tuple[str, torch.device]]:
+        """Every rank sees the trial's GPUs on its node (`distributed.devices`), before NCCL
+        and CUDA start in it; what each sees and the device it trains on, by world rank."""
+        visible = devices.shared_gpus(placements)
+        peers = [w.see_gpus.remote(self.scaling, v) for w, v in zip(self.workers, visible[1:], strict=True)]
+        used = [see_gpus(self.scaling, visible[0]), *ray.get(peers)]
+        return list(zip(visible, used, strict=True))
 
     def _start(self, bundle: int):
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)

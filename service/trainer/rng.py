@@ -1,7 +1,8 @@
 """Every random number generator a rank's training can draw from, seeded from the rank's data
-seed, captured into each checkpoint and restored on resume: torch's CPU generator, every CUDA
-device's generator, numpy's global generator and Python's `random` (a workload's augmentation
-may use any of them). Stored as tensors, ints and lists only, so that
+seed, captured into each checkpoint and restored on resume: torch's CPU generator, the
+generator of the rank's own CUDA device (its current one; a rank may see other ranks' GPUs, and
+a resumed rank may see another number of them), numpy's global generator and Python's `random`
+(a workload's augmentation may use any of them). Stored as tensors, ints and lists only, so that
 `torch.load(weights_only=True)` reads them back."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def capture() -> dict:
     """This process's generator states."""
     _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     version, internal, gauss = random.getstate()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return {
         "torch": torch.get_rng_state(),
         "cuda": cuda,
@@ -44,9 +45,15 @@ def restore(state) -> None:
         return
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(_own_device_state(state["cuda"]))
     n = state["numpy"]
     keys = n["keys"].numpy().astype(np.uint32)
     np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     p = state["python"]
     random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+
+
+def _own_device_state(states: list) -> torch.Tensor:
+    """The current device's state: the one captured, or from a checkpoint that kept every
+    visible device's (before the rank kept only its own), the one at the current index."""
+    return states[0] if len(states) == 1 else states[torch.cuda.current_device()]
