@@ -4,6 +4,7 @@ module), connect to Ray, and check that the cluster can hold a trial."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -81,6 +82,24 @@ def train_poll_env() -> dict[str, str]:
     if TRAIN_POLL_ENV in job_env_vars():
         return {}
     return {TRAIN_POLL_ENV: os.environ.get(TRAIN_POLL_ENV, TRAIN_POLL_S)}
+
+
+def check_eval_cluster(study: spec.Study, num_workers: int | None) -> None:
+    """The connected Ray cluster can hold `playbook eval`'s workers: the study's layout, or
+    `--num-workers` on any hosts (refused before it starts; left to Ray, the run waited for
+    them forever). An evaluation starts no Ray Data input workers."""
+    import ray
+
+    from service.orchestration.offline_eval import eval_scaling
+    from service.study.checks import check_resources
+
+    scaling = eval_scaling(study.scaling, num_workers)
+    evaluated = dataclasses.replace(
+        study, scaling=scaling, input=dataclasses.replace(study.input, workers="local")
+    )
+    check_resources(
+        evaluated, ray.nodes(), "scaling.workers_per_host" if num_workers is None else "--num-workers"
+    )
 
 
 def check_cluster(study: spec.Study) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from service.cli.prepare import connect_ray, load_study
+from service.cli.prepare import check_eval_cluster, connect_ray, load_study
 from service.core import ranking
 from service.core.errors import SpecError, StudyNotFound
 from service.core.formatting import cell
@@ -136,6 +136,7 @@ def cmd_eval(args) -> int:
     paths = [*(provenance.read(locate(uri)[0]) or {}).get("import_path", []), os.path.abspath(os.getcwd())]
     workloads.use_import_path(paths)
     connect_ray(paths)
+    check_eval_cluster(study, args.num_workers)
     run_offline_eval(uri, args.split, study, args.num_workers)
     print_eval_metrics(json.loads(storage.read_bytes(metrics_uri(uri, args.split))), args.split)
     print(f"metrics and predictions: {output_uri(uri, args.split)}")

@@ -291,6 +291,15 @@ def trials_that_fit(study: Study, resources: dict) -> int:
     return max(1, min(fits, default=1))
 
 
+def cluster_env() -> dict[str, str]:
+    """Merged into the job's runtime env of what the driver starts (a study's coordinator,
+    `playbook eval`'s run), inherited by every process under it: what the storage layer reads
+    (a gs:// emulator, ...), and this cluster's address. Without it Ray Train's placement-group
+    cleaner asks Ray's state API for "the" Ray of its machine, which fails (a traceback in the
+    output) where another Ray runs on the same machine."""
+    return {**storage.forwarded_env(), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
 def on_this_node() -> NodeAffinitySchedulingStrategy:
     """Placement on the caller's node, which the actor then shares the fate of: the coordinator
     on the driver's (the head, for `ray job submit`), its Tune runs on the coordinator's. Left to
@@ -324,13 +333,11 @@ def run_study(study: Study, view=None, settle_metrics: bool = False) -> list[dic
         raise PlaybookError(f"study {study.name!r} is already running on this cluster")
     except ValueError:
         pass
-    # Merged into the job's runtime env, inherited by every process of the study: what the
-    # storage layer reads (a gs:// emulator, ...), and this cluster's address. Without it Ray
-    # Train's placement-group cleaner asks Ray's state API for "the" Ray of its machine, which
-    # fails (a traceback in the job log) where another Ray runs on the same machine.
-    env = {**storage.forwarded_env(), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     coordinator = Coordinator.options(
-        name=name, namespace=NAMESPACE, runtime_env={"env_vars": env}, scheduling_strategy=on_this_node()
+        name=name,
+        namespace=NAMESPACE,
+        runtime_env={"env_vars": cluster_env()},
+        scheduling_strategy=on_this_node(),
     ).remote(study)
     try:
         rows = follow(coordinator, coordinator.run.remote(), view or PlainLines())

@@ -25,17 +25,34 @@ def eval_worker(config: dict) -> None:
     )
 
 
+def eval_scaling(scaling, num_workers: int | None):
+    """The layout `playbook eval` runs on: the study's, or `num_workers` workers on any hosts."""
+    if num_workers is None:
+        return scaling
+    return dataclasses.replace(scaling, num_hosts=1, workers_per_host=num_workers)
+
+
 def run_offline_eval(checkpoint_uri: str, split: str, study: Study, num_workers: int | None = None) -> None:
     """`playbook eval`: the checkpoint on the whole split, over the study's worker layout or
-    over `num_workers` workers on any hosts (a sharded checkpoint is resharded over them)."""
-    from service.evaluation.offline import locate
+    over `num_workers` workers on any hosts (a sharded checkpoint is resharded over them). The
+    Ray Train run is started from a task on this node that has this cluster's address
+    (`coordinator.cluster_env`), as a study's coordinator does."""
+    import ray
 
-    scaling = study.scaling
-    if num_workers is not None:
-        scaling = dataclasses.replace(scaling, num_hosts=1, workers_per_host=num_workers)
-    fs, path = storage.ray_storage(study.layout.evals_dir)
+    from service.orchestration.coordinator import cluster_env, on_this_node
+
+    fit = ray.remote(num_cpus=0)(fit_eval).options(
+        runtime_env={"env_vars": cluster_env()}, scheduling_strategy=on_this_node(), max_retries=0
+    )
+    ray.get(fit.remote(checkpoint_uri, split, study, eval_scaling(study.scaling, num_workers)))
+
+
+def fit_eval(checkpoint_uri: str, split: str, study: Study, scaling) -> None:
     from ray.train.torch import TorchTrainer
 
+    from service.evaluation.offline import locate
+
+    fs, path = storage.ray_storage(study.layout.evals_dir)
     _, trial = locate(checkpoint_uri)
     TorchTrainer(
         eval_worker,

@@ -140,7 +140,8 @@ def _check_id_nulls(uri: str, pf: pq.ParquetFile, workload) -> None:
 def check_overlap(study: Study, workload, files: dict[str, list[DataFile]]) -> None:
     """No example id of the training split is in the validation or test split (`data.overlap`:
     exact on small splits, estimated from a sample on large ones): refused, or with
-    `data.allow_overlap` a warning with the count. `files`: each split's files, as listed."""
+    `data.allow_overlap` a warning with the count, either naming the field, then the split's
+    path (`data.validation: <path>: ...`). `files`: each split's files, as listed."""
     from service.data import overlap
 
     train = overlap.read_ids(files["train"], workload.id_column)
@@ -151,7 +152,7 @@ def check_overlap(study: Study, workload, files: dict[str, list[DataFile]]) -> N
         found = overlap.overlap(train, overlap.read_ids(files[split], workload.id_column))
         if not found.count:
             continue
-        message = f"{uri}: {found.describe(split, workload.id_column)}"
+        message = f"data.{split}: {uri}: {found.describe(split, workload.id_column)}"
         if not study.data.allow_overlap:
             raise DataError(f"{message}; remove them, or set data.allow_overlap: true if intended")
         print(f"playbook: warning: {message} (data.allow_overlap: true)", file=sys.stderr, flush=True)
@@ -199,21 +200,20 @@ def trial_footprint(study: Study) -> dict[str, float]:
     return {"CPU": s.world_size * (s.cpus_per_worker + input_cpus), "GPU": s.world_size if s.use_gpu else 0}
 
 
-def check_resources(study: Study, nodes: list[dict]) -> None:
+def check_resources(study: Study, nodes: list[dict], workers_field: str = "scaling.workers_per_host") -> None:
     """The cluster can place one trial with all it holds (`trial_footprint`: its
     workers, their Ray Data input workers; its own Tune process holds no CPU or GPU): `nodes` in
     `ray.nodes()` form (those alive now, or those an autoscaler can start, see
-    `autoscaler_nodes`); refused before any trial starts, naming the field that asks too much."""
+    `autoscaler_nodes`); refused before any trial starts, naming the field that asks too much
+    (`workers_field` where the number of workers is too large: `playbook eval --num-workers`)."""
     s = study.scaling
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
     gpus = sum(r.get("GPU", 0) for r in alive)
     if s.use_gpu and not gpus:
         raise SpecError("scaling.use_gpu: true, but the Ray cluster has no GPU")
-    _check_cpus(study, alive)
+    _check_cpus(study, alive, workers_field)
     if s.use_gpu and s.world_size > gpus:
-        raise SpecError(
-            f"scaling.workers_per_host: {s.world_size} GPU workers, but the Ray cluster has {gpus:g} GPUs"
-        )
+        raise SpecError(f"{workers_field}: {s.world_size} GPU workers, but the Ray cluster has {gpus:g} GPUs")
     hosts = [r for r in alive if r.get("CPU", 0) >= s.cpus_per_worker and (not s.use_gpu or r.get("GPU", 0))]
     if s.num_hosts > len(hosts):
         raise SpecError(
@@ -222,7 +222,7 @@ def check_resources(study: Study, nodes: list[dict]) -> None:
         )
 
 
-def _check_cpus(study: Study, alive: list[dict]) -> None:
+def _check_cpus(study: Study, alive: list[dict], workers_field: str) -> None:
     """One trial's CPUs fit: a worker on the largest node, all workers (and their Ray Data input
     workers) in the cluster."""
     s = study.scaling
@@ -235,7 +235,7 @@ def _check_cpus(study: Study, alive: list[dict]) -> None:
     total = sum(r.get("CPU", 0) for r in alive)
     if s.world_size * s.cpus_per_worker > total:
         raise SpecError(
-            f"scaling.workers_per_host: {s.num_hosts} x {s.workers_per_host} workers x "
+            f"{workers_field}: {s.num_hosts} x {s.workers_per_host} workers x "
             f"{s.cpus_per_worker:g} CPUs = {s.world_size * s.cpus_per_worker:g} CPUs, but the "
             f"Ray cluster has {total:g}"
         )

@@ -15,6 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
@@ -174,15 +175,16 @@ def test_status_into_a_closed_pipe_exits_without_a_traceback(digits_dir, tmp_pat
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", ["pool", "ray-train"])
 def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir, tmp_path, layout):
-    """A 2-worker study run by the CLI with its own local Ray while another Ray (this test
-    session's) runs on the machine, on a pool of reused workers (the default) and as a Ray Train
-    run (`reuse_workers: false`): Ray Train's placement-group cleaner found two and printed
-    tracebacks, every worker printed torch's `broadcast_buffers` FutureWarning and DDP's notice
-    that it found no unused parameters, and Ray warned on every run that it had turned token
-    authentication on (as it still does), and Ray core logged an error line for the actor Ray
-    Train's controller starts to watch for preemption (ray-project/ray#53727). A Ray Train
-    trial's controller polls its workers at the service's interval, not Ray's 2 s (a report
-    waits for the poll: every evaluation waited for it); a pooled trial starts no controller."""
+    """A 2-worker study run by the CLI with its own local Ray while another Ray (this test session's)
+    runs on the machine, on a pool of reused workers (the default) and as a Ray Train run
+    (`reuse_workers: false`), then (once) `playbook eval` of its checkpoint the same way: Ray
+    Train's placement-group cleaner found two and printed tracebacks, every worker printed torch's
+    `broadcast_buffers` FutureWarning and DDP's notice that it found no unused parameters, and Ray
+    warned on every run that it had turned token authentication on (as it still does), and Ray core
+    logged an error line for the actor Ray Train's controller starts to watch for preemption
+    (ray-project/ray#53727). A Ray Train trial's controller polls its workers at the service's
+    interval, not Ray's 2 s (a report waits for the poll: every evaluation waited for it); a pooled
+    trial starts no controller."""
     raw = study_dict(
         digits_dir,
         tmp_path / "storage",
@@ -209,6 +211,14 @@ def test_a_successful_run_prints_no_traceback_or_warning(ray_cluster, digits_dir
     assert not RAY_LOG_LINE.search(text), text[-4000:]
     intervals = [e.get(TRAIN_POLL_ENV) for e in controllers.seen.values()]
     assert intervals == ([TRAIN_POLL_S] if layout == "ray-train" else [])
+    if layout == "pool":  # `playbook eval` (a Ray Train run) of its checkpoint, beside the same other Ray
+        (row,) = pq.read_table(tmp_path / "storage" / "quiet" / "trials.parquet").to_pylist()
+        out = playbook("eval", row["best_checkpoint"], "--split", "validation", cwd=str(tmp_path), env=env)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0 and "validation/count: 270" in out.stdout, text[-4000:]
+        for noise in ("Traceback", "WARNING", "Warning", "Exception ignored", "Error"):
+            assert noise not in text, text[-4000:]
+        assert not RAY_LOG_LINE.search(text), text[-4000:]
 
 
 EXIT_IN_A_WEAKREF_CALLBACK = """

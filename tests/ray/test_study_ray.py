@@ -15,7 +15,7 @@ import pytest
 
 from service.distributed import checkpoint
 from tests.helpers.curve_rules import plain_curve_kinds
-from tests.helpers.studies import digits_logits, make_study
+from tests.helpers.studies import digits_logits, folder_state, make_study
 
 pytestmark = pytest.mark.ray
 MAX_STEPS, EVERY, KEEP = 100, 20, 2
@@ -254,7 +254,7 @@ def test_verdicts_are_saved_and_shown(finished_study):
 def test_playbook_eval_command_prints_metrics_and_per_class_counts(finished_study, digits_dir, capsys):
     from service.cli import main
 
-    _, explore, _ = finished_study
+    study, explore, _ = finished_study
     best = min(explore, key=lambda r: r["best_metric"])
     assert main(["eval", best["best_checkpoint"], "--split", "validation"]) == 0
     out = capsys.readouterr().out
@@ -267,6 +267,14 @@ def test_playbook_eval_command_prints_metrics_and_per_class_counts(finished_stud
     # (Ray's own log forwarding may add lines to this process's stderr; ours is exactly one.)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("playbook:")]
     assert errors == [f"playbook: error: {digits_dir}: no checkpoint there (no state.pt)"]
+    # More workers than the cluster's 2 CPUs hold: refused at once (Ray Train waited for them
+    # forever), nothing run or written.
+    before = folder_state(study.study_uri)
+    assert main(["eval", best["best_checkpoint"], "--split", "test", "--num-workers", "3"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("playbook:")]
+    want = "playbook: error: --num-workers: 1 x 3 workers x 1 CPUs = 3 CPUs, but the Ray cluster has 2"
+    assert errors == [want]
+    assert folder_state(study.study_uri) == before
 
 
 def test_a_round_runs_as_tune_runs_of_at_most_trials_per_tune_run(ray_cluster, digits_dir, tmp_path):
