@@ -10,7 +10,8 @@ from typing import Any
 
 from service.analysis.curves import KINDS, NAMES_SHOWN, best_step, trial_curves, trial_verdicts
 from service.analysis.optimization import clip_threshold
-from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict, percent, step_position, trial_count
+from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict, percent, step_position
+from service.core.formatting import trial_count
 from service.core.ranking import ranked_results
 from service.core.trial_status import TrialStatus
 from service.study.sections import Curves
@@ -74,7 +75,8 @@ def _kind_summary(kind: str, hits: list[Verdict], judged: int, best: str | None)
 def _best_is_late(
     row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], metric: str, mode: str
 ) -> bool:
-    """A FINISHED trial whose best step is in the last 25% (`best_step_position`'s "train longer")."""
+    """A FINISHED trial whose best value was first reached in the last 25% (`curves.best_step`,
+    where `best_step_position` says "train longer")."""
     if row.get("status") != TrialStatus.FINISHED:
         return False
     t = trial_curves(row, history, metric, mode)
@@ -82,9 +84,10 @@ def _best_is_late(
 
 
 def _all_clear(judged: int, late: list[str], best: str | None, th: Curves) -> Verdict:
-    """No curve warned. A trial whose best checkpoint is in the last 25% gained too little there
-    for `still_improving` (or nothing: the latest of equal best values is the best step): said
-    so, not "no late improvement" beside `best_step_position`'s "train longer" for it."""
+    """No curve warned. A trial whose best value was first reached in the last 25% gained too
+    little there for `still_improving`: said so, not "no late improvement" beside
+    `best_step_position`'s "train longer" for it. (A best value reached before the last 25% and
+    only equalled there is not late: `curves.best_step`.)"""
     rest = "early saturation, rising training loss, early instability or mostly clipped updates"
     if not late:
         return make_verdict(

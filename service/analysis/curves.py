@@ -5,13 +5,16 @@ Per trial (`trial_verdicts`), from its evaluations in step order, with the thres
 study file's `curves:` section (`service.study.sections.Curves`):
 
 * `overfitting` -- the validation metric worsens after its best evaluation while the training
-  loss still falls ("training longer ... can even overfit"); the onset is the best step;
+  loss still falls ("training longer ... can even overfit"); the onset is the best step; not
+  for a worsening (or an improvement) within the evaluation's noise (`metric_noise`);
+* `did_not_learn` -- a rate metric whose best is no better than its first evaluation, nor
+  than predicting the most frequent class, within the evaluation's noise;
 * `late_noise` -- high step-to-step variance late in training (it blurs the comparison of
   trials at their best checkpoints);
 * `still_improving` -- the metric still improved over the last part of training: train longer;
 * `saturated_early` -- metric and training loss both flat long before the end: steps wasted
-  (not said of a trial whose best step is in the last 25%: `best_step_position` says "train
-  longer" there);
+  (not said of a trial whose best value was first reached in the last 25%:
+  `best_step_position` says "train longer" there);
 * `training_loss_rising` -- the training loss ends well above its lowest value;
 * `early_instability` and `clipping` -- the optimization failures
   (`service.analysis.optimization`).
@@ -28,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from service.analysis.eval_noise import RATE_METRICS, rate_noise
 from service.analysis.optimization import clipping, early_instability
 from service.analysis.verdicts import (
     WARNING,
@@ -35,6 +39,7 @@ from service.analysis.verdicts import (
     as_number,
     make_verdict,
     percent,
+    reached_best_step,
     step_position,
 )
 from service.core.formatting import fmt
@@ -43,8 +48,8 @@ from service.study.sections import Curves
 
 TRAIN_LOSS = "train/loss"
 KINDS = (
-    "overfitting", "late_noise", "still_improving", "saturated_early", "training_loss_rising",
-    "early_instability", "clipping",
+    "did_not_learn", "overfitting", "late_noise", "still_improving", "saturated_early",
+    "training_loss_rising", "early_instability", "clipping",
 )  # fmt: skip
 NAMES_SHOWN = 8
 """A round verdict names at most this many trials (and counts the rest)."""
@@ -78,6 +83,10 @@ class Curve:
     def improvement(self) -> float:
         """How much better than its first evaluation its best one is (0 if none is)."""
         return float(self.losses[0] - self.losses.min()) if self.values else 0.0
+
+    @property
+    def mode(self) -> str:
+        return "min" if self.sign == 1 else "max"
 
     def best_index(self) -> int:
         """The last evaluation at the best value."""
@@ -123,10 +132,82 @@ def trial_curves(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], m
 # ----------------------------------------------------------------------------- curve shapes
 
 
+def metric_noise(t: TrialCurves) -> tuple[float, int] | None:
+    """(noise, n): the largest change of the metric its evaluation cannot tell from noise, and
+    the examples it was measured on. Known for a rate metric (`validation/error`,
+    `validation/accuracy`: a mean of 0/1 values) whose log has the evaluation's example count
+    (`validation/count`) at its best evaluation: `eval_noise.rate_noise` of the best value,
+    the binomial standard error and at least one example (1 / n). None otherwise (a loss:
+    its per-example spread is not in the log)."""
+    m = t.metric
+    prefix, _, name = m.key.rpartition("/")
+    if name not in RATE_METRICS or len(m.values) < 1:
+        return None
+    b = m.best_index()
+    at_best = next((h for h in t.history if h.get("step") == m.steps[b]), {})
+    n = as_number(at_best.get(f"{prefix}/count"))
+    if n is None or n < 1:
+        return None
+    return rate_noise(m.values[b], int(n)), int(n)
+
+
+def did_not_learn(t: TrialCurves, th: Curves) -> Verdict | None:
+    """A rate metric (`metric_noise` known) whose best is within the evaluation's noise of its
+    first evaluation (the first may come after some learning) and no better than predicting
+    the most frequent class of the evaluation (its `<split>/per_class` supports, at the best
+    evaluation) beyond that noise: the model learned nothing the evaluation can see."""
+    m, noise = t.metric, metric_noise(t)
+    if noise is None or len(m.values) < 2 or m.improvement > noise[0]:
+        return None
+    b = m.best_index()
+    majority = _majority_rate(t, b)
+    if majority is None:
+        return None
+    name = m.key.rpartition("/")[2]
+    trivial = 1 - majority if name == "error" else majority  # predicting the most frequent class
+    if m.sign * (trivial - m.values[b]) > noise[0]:  # better than that beyond the noise
+        return None
+    train = t.train
+    fell = (
+        f"; {TRAIN_LOSS} went from {train.at(0)} to {train.at(len(train.values) - 1)}" if train.values else ""
+    )
+    return make_verdict(
+        "did_not_learn",
+        t.name,
+        WARNING,
+        f"{t.name} did not learn: {m.key}'s best, {m.at(b)}, is {fmt(m.improvement * noise[1])} of "
+        f"{noise[1]} examples ({fmt(m.improvement)}) better than its first evaluation, {m.at(0)}, within "
+        f"the evaluation's noise ({fmt(noise[0])}), and no better than predicting the most frequent class "
+        f"({fmt(trivial)}){fell}: check the learning rate, the labels and the input pipeline.",
+        trial_name=t.name,
+        first_value=m.values[0],
+        best_value=m.values[b],
+        best_step=m.steps[b],
+        trivial_value=trivial,
+        noise=noise[0],
+        num_examples=noise[1],
+    )
+
+
+def _majority_rate(t: TrialCurves, i: int) -> float | None:
+    """The share of the most frequent class among the evaluation's examples at evaluation `i`
+    (from its `<split>/per_class` supports), or None when not logged."""
+    prefix = t.metric.key.rpartition("/")[0]
+    at = next((h for h in t.history if h.get("step") == t.metric.steps[i]), {})
+    supports = [
+        as_number(c.get("support")) for c in at.get(f"{prefix}/per_class") or () if isinstance(c, dict)
+    ]
+    if not supports or any(s is None for s in supports) or sum(supports) <= 0:
+        return None
+    return max(supports) / sum(supports)
+
+
 def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
     """The metric ends worse than its best by more than `overfit_rise` of its improvement, and
-    the training loss at the end is lower than at the metric's best step. "Or fewer steps"
-    only for an onset before the last 25% (`_or_fewer_steps`)."""
+    the training loss at the end is lower than at the metric's best step. Not when the
+    evaluation's noise is known (`metric_noise`) and the worsening, or the improvement it is a
+    share of, is within it. "Or fewer steps" only for an onset before the last 25%
+    (`_or_fewer_steps`)."""
     m, train = t.metric, dict(zip(t.train.steps, t.train.values, strict=True))
     if len(m.values) < 2 or m.improvement <= 0:
         return None
@@ -136,6 +217,9 @@ def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
     if b == last or rise <= th.overfit_rise * m.improvement or loss_then is None or loss_end is None:
         return None
     if not loss_end < loss_then:
+        return None
+    noise = metric_noise(t)
+    if noise is not None and (rise <= noise[0] or m.improvement <= noise[0]):
         return None
     return make_verdict(
         "overfitting",
@@ -152,6 +236,7 @@ def overfitting(t: TrialCurves, th: Curves) -> Verdict | None:
         last_value=m.values[last],
         train_loss_at_onset=loss_then,
         train_loss_last=loss_end,
+        noise=None if noise is None else noise[0],
     )
 
 
@@ -222,11 +307,11 @@ def still_improving(t: TrialCurves, th: Curves) -> Verdict | None:
 
 
 def best_step(t: TrialCurves) -> int:
-    """The trial's best step: its row's `best_step` (the retrospective best checkpoint that
-    `best_step_position` reads), else the metric's best evaluation (the latest at its best
-    value, as the trainer picks it: `ranking.best_row`)."""
-    step = as_number(t.row.get("best_step"))
-    return int(step) if step is not None else t.metric.steps[t.metric.best_index()]
+    """The step at which the trial first reached its best value, as `best_step_position` judges
+    it (`verdicts.reached_best_step`: from its metrics log, else its row's `best_step`); a
+    plateau that began before the end is not "best at the end"."""
+    step = reached_best_step(t.row, t.history, t.metric.key, t.metric.mode)
+    return step if step is not None else t.metric.steps[t.metric.best_index()]
 
 
 def saturation_step(curve: Curve, th: Curves) -> int | None:
@@ -240,9 +325,10 @@ def saturation_step(curve: Curve, th: Curves) -> int | None:
 
 def saturated_early(t: TrialCurves, th: Curves) -> Verdict | None:
     """The metric and the training loss (when logged) were both within `saturation_tolerance`
-    of their best by `saturated_by` x max_train_steps, and the trial's best step is not in the
-    last 25% of training: there `best_step_position` says "train longer" (the playbook: in
-    doubt, train longer), so "fewer steps would do" is not said of the same trial."""
+    of their best by `saturated_by` x max_train_steps, and the trial's best value was not first
+    reached in the last 25% of training (`best_step`): there `best_step_position` says "train
+    longer" (the playbook: in doubt, train longer), so "fewer steps would do" is not said of
+    the same trial."""
     curves = [c for c in (t.metric, t.train) if c.values]
     steps = [saturation_step(c, th) for c in curves]
     limit = th.saturated_by * t.max_train_steps
@@ -250,14 +336,14 @@ def saturated_early(t: TrialCurves, th: Curves) -> Verdict | None:
         return None
     if step_position(best_step(t), t.max_train_steps) == "late":
         return None
-    said = ", ".join(f"{c.key} by step {s}" for c, s in zip(curves, steps, strict=True))
+    said = " and ".join(f"{c.key} by step {s}" for c, s in zip(curves[1:], steps[1:], strict=True))
     return make_verdict(
         "saturated_early",
         t.name,
         WARNING,
-        f"{t.name} saturated early: within {percent(th.saturation_tolerance)} of their best {said}, of "
-        f"{t.max_train_steps} steps; the steps after step {max(steps)} changed little (a lower "
-        "max_train_steps would do).",
+        f"{t.name} saturated early: {curves[0].key} had made {percent(1 - th.saturation_tolerance)} of its "
+        f"improvement by step {steps[0]}{' and ' + said if said else ''}, of {t.max_train_steps} steps; the "
+        f"steps after step {max(steps)} changed little (a lower max_train_steps would do).",
         trial_name=t.name,
         curves=tuple(c.key for c in curves),
         saturation_steps=tuple(steps),
@@ -290,7 +376,14 @@ def training_loss_rising(t: TrialCurves, th: Curves) -> Verdict | None:
 
 # ----------------------------------------------------------------------------- per trial, per round
 
-SHAPE_CHECKS = (overfitting, late_noise, still_improving, saturated_early, training_loss_rising)
+SHAPE_CHECKS = (
+    did_not_learn,
+    overfitting,
+    late_noise,
+    still_improving,
+    saturated_early,
+    training_loss_rising,
+)
 """Read the whole curve: only for FINISHED trials (a diverged trial's curve is cut short)."""
 
 

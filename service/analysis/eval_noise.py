@@ -18,9 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict, trial_count
-from service.core.formatting import fmt
+from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict
+from service.core.formatting import fmt, trial_count
 from service.core.ranking import ranked_results
+
+RATE_METRICS = ("error", "accuracy")
+"""Metric names (after `validation/`) taken to be means of 0/1 per-example values: without saved
+predictions, their standard error is the binomial sqrt(p (1 - p) / n)."""
 
 
 def standard_error(values: np.ndarray, weights: np.ndarray | None = None) -> float:
@@ -40,6 +44,13 @@ def rate_standard_error(p: float, n: int) -> float:
     """Standard error of a rate (a mean of 0/1 per-example values, such as an error rate) p
     measured on n examples: sqrt(p (1 - p) / n). At most 0.5 / sqrt(n), at p = 0.5."""
     return math.sqrt(max(0.0, p * (1 - p)) / n)
+
+
+def rate_noise(p: float, n: int) -> float:
+    """The largest change of a rate p measured on n examples that the measurement cannot tell
+    from noise: its binomial standard error sqrt(p (1 - p) / n), and at least one example's
+    worth, 1 / n (the resolution: a rate over n examples moves in steps of 1 / n)."""
+    return max(1 / n, rate_standard_error(p, n))
 
 
 def eval_noise(

@@ -16,9 +16,10 @@ a round cannot carry. The rules (docs/study-file.md#the-next-round-playbook-next
   round's `search:` (after an extend or repeat round: on the extend round below);
 * these change the search and come first: the playbook settles the search space before it
   trains longer. Without them, best checkpoints late (`best_step_distribution`: most of the
-  trials, or of the top quarter, in the last 25%) -> an `extend` round of the best trial with
-  `step_multiplier` `DEFAULT_STEP_MULTIPLIER` (the playbook's rounds grow their length
-  exponentially), less when a compute-bound budget leaves less;
+  trials, or of the top quarter, in the last 25%, each judged at the step where it first
+  reached its best value, so a plateau that began earlier is not late) -> an `extend` round of
+  the best trial with `step_multiplier` `DEFAULT_STEP_MULTIPLIER` (the playbook's rounds grow
+  their length exponentially), less when a compute-bound budget leaves less;
 * a `repeat` round whose best scientific value beats the next beyond seed noise (Welch's test,
   `seed_noise`) -> that value fixed, and the nuisance hyperparameters explored again around it;
 * `input_bound` -> the input change its cause names, as a note: `input:` is the study's
@@ -40,7 +41,7 @@ from service.analysis.round_checks import round_steps_spent
 from service.analysis.seed_noise import ALPHA, welch
 from service.analysis.verdicts import Verdict
 from service.analysis.widening import widenings
-from service.core.formatting import fmt
+from service.core.formatting import fmt, trial_count
 from service.core.ranking import results, sign
 from service.study.rounds_text import hparam_dict, scalar
 from service.study.search import CLIP_HPARAM, DEFAULT_STEP_MULTIPLIER, NAME_RE, HParam, Round
@@ -159,7 +160,9 @@ def extend(
         left = budget.max_total_steps - sum(round_steps_spent(rows, r.name) for r in study.rounds)
         affordable = math.floor(100 * left / (trials * steps)) / 100
         if affordable <= 1:
-            short = f"{late}, but the budget has {left} steps left: no longer round of {trials} trials fits"
+            short = (
+                f"{late}, but the budget has {left} steps left: no longer round of {trial_count(trials)} fits"
+            )
             return Proposal(rnd.name, notes=(*notes, short))
         if affordable < multiplier:
             multiplier, why = affordable, f"what the budget's {left} steps left allow"
@@ -207,7 +210,8 @@ def late_majority(verdicts: list[Verdict]) -> str:
     if spread["late"] * 2 > n or spread["top_late"] * 2 > k:
         late, top = spread["late"], spread["top_late"]
         return (
-            f"best checkpoints late: {late} of {n} trials ({top} of the best {k}) in the last 25% of training"
+            f"best checkpoints late: {late} of {trial_count(n)} ({top} of the best {k}) in the last 25% of "
+            "training"
         )
     return ""
 

@@ -5,23 +5,24 @@ from __future__ import annotations
 
 from service.analysis import curve_summary
 from service.analysis.input_bound import row_verdicts
-from service.analysis.round_checks import verdicts_for_round
+from service.analysis.round_checks import metrics_logs, verdicts_for_round
 from service.analysis.scientific import best_per_scientific, summary_sentence
 from service.analysis.seed_noise import repeat_sentence
 from service.analysis.verdicts import Verdict
 from service.core.formatting import fmt
 from service.core.ranking import ranked_results
 from service.study.spec import Study
-from service.trainer import metrics_log
 
 
 def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
     """The round's verdicts (`round_checks.verdicts_for_round`), its trials' input-bound ones,
-    its training curves' (read from the trials' metrics logs) and the scientific comparison."""
+    its training curves' and the scientific comparison. The trials' metrics logs are read once,
+    for the best-step and the curve verdicts."""
     mine = [r for r in rows if r.get("round") == round_name]
-    verdicts = verdicts_for_round(study, round_name, rows)
+    histories = metrics_logs(study, mine)
+    verdicts = verdicts_for_round(study, round_name, rows, histories)
     verdicts += row_verdicts(mine)
-    verdicts += curve_verdicts(study, mine)
+    verdicts += curve_verdicts(study, mine, histories)
     rnd = next(r for r in study.rounds if r.name == round_name)
     space = study.compared_space(rnd)  # each round judged in its own search space
     groups = best_per_scientific(mine, space, study.training.mode)
@@ -35,11 +36,12 @@ def round_verdicts(study: Study, round_name: str, rows: list[dict]) -> dict:
     return {"round": round_name, "verdicts": [as_dict(v) for v in verdicts], "scientific": sentence}
 
 
-def curve_verdicts(study: Study, rows: list[dict]) -> list[Verdict]:
-    """`curve_summary.round_verdicts` of these trial rows, their histories read from storage."""
-    histories = {
-        r["trial_name"]: metrics_log.read(study.layout.trial(r["trial_name"]).metrics_log) for r in rows
-    }
+def curve_verdicts(
+    study: Study, rows: list[dict], histories: dict[str, list[dict]] | None = None
+) -> list[Verdict]:
+    """`curve_summary.round_verdicts` of these trial rows, their histories (by trial name) read
+    from storage unless given."""
+    histories = metrics_logs(study, rows) if histories is None else histories
     tr = study.training
     return curve_summary.round_verdicts(rows, histories, tr.metric, tr.mode, study.curves)
 

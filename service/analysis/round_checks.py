@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from service.analysis.eval_noise import eval_noise, rate_standard_error, standard_error
+from service.analysis.eval_noise import RATE_METRICS, eval_noise, rate_standard_error, standard_error
 from service.analysis.verdicts import (
     EARLY_FRACTION,
     OK,
@@ -25,30 +25,41 @@ from service.analysis.verdicts import (
     early_is_visible,
     make_verdict,
     percent,
+    reached_best_steps,
     study_verdicts,
 )
 from service.core.ranking import ranked_results
+from service.core.trial_status import TrialStatus
 from service.planning.plan_size import round_trials
 from service.study.spec import Study
 
-RATE_METRICS = ("error", "accuracy")
-"""Metric names (after `validation/`) taken to be means of 0/1 per-example values: without saved
-predictions, their standard error is the binomial sqrt(p (1 - p) / n)."""
 BEST_STEP_KINDS = ("best_step_position", "best_step_distribution")
 
 
-def verdicts_for_round(study: Study, round_name: str, rows: list[dict]) -> list[Verdict]:
+def verdicts_for_round(
+    study: Study,
+    round_name: str,
+    rows: list[dict],
+    histories: Mapping[str, list[dict]] | None = None,
+) -> list[Verdict]:
     """A round's verdicts. An exploration round gets every check; an extend round reruns one
     configuration (a repeat round one per scientific value), so only where its best
     checkpoints sit is meaningful (search-space, trial-count and eval-noise checks would judge
-    a single point). Compute-bound studies also get the budget verdict."""
+    a single point). Compute-bound studies also get the budget verdict.
+
+    The best-step checks judge each finished trial at the step where it first reached its best
+    value (`verdicts.reached_best_steps`), from its metrics log: `histories` by trial name, or
+    (None) read from storage (`metrics_logs`)."""
     mine = [r for r in rows if r.get("round") == round_name]
     rnd = next(r for r in study.rounds if r.name == round_name)
     kind = rnd.kind
     compute_bound = bool(study.budget and study.budget.compute_bound)
     tr = study.training
     space = study.compared_space(rnd)  # the round's own search space
-    verdicts = study_verdicts(mine, space, tr.mode, tr.eval_every_steps, compute_bound)
+    finished = [r for r in mine if r.get("status") == TrialStatus.FINISHED]
+    logs = metrics_logs(study, finished) if histories is None else histories
+    reached = reached_best_steps(finished, logs, tr.metric, tr.mode)
+    verdicts = study_verdicts(mine, space, tr.mode, tr.eval_every_steps, compute_bound, reached)
     if kind in ("extend", "repeat"):
         verdicts = [v for v in verdicts if v.kind in BEST_STEP_KINDS]
     elif tr.validation_sample_size is not None:
@@ -57,6 +68,13 @@ def verdicts_for_round(study: Study, round_name: str, rows: list[dict]) -> list[
     if compute_bound:
         verdicts.append(budget_spent(study, round_name, rows))
     return verdicts
+
+
+def metrics_logs(study: Study, rows: list[dict]) -> dict[str, list[dict]]:
+    """The metrics logs (`<trial>/metrics.jsonl`) of these trial rows, by trial name."""
+    from service.trainer import metrics_log
+
+    return {r["trial_name"]: metrics_log.read(study.layout.trial(r["trial_name"]).metrics_log) for r in rows}
 
 
 # ----------------------------------------------------------------------------- eval noise

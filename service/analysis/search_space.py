@@ -292,9 +292,11 @@ def _feasible_region(name: str, diverged: list[float], feasible: list[float]) ->
     total = len(diverged) + len(feasible)
     if diverged:
         message = (
-            f"{len(diverged)} of {total} trials diverged, but there is no value of {name} "
+            f"{len(diverged)} of {trial_count(total)} diverged, but there is no value of {name} "
             "beyond which every trial diverged."
         )
+    elif total == 1:
+        message = f"The one trial did not diverge along {name}."
     else:
         message = f"None of the {total} trials diverged along {name}."
     return [

@@ -15,7 +15,9 @@ The other checks live one practice per module:
   training step that retrospective checkpoint selection finds in order to refine the choice of
   max_train_steps": if the best step is in the first 10% of training, the maximum number of
   steps is way too high; if it is in the last 25%, we might benefit from training longer and
-  re-tuning the decay schedule.
+  re-tuning the decay schedule. Judged at the step where the trial first reached its best
+  value (`first_best_step`): the best checkpoint is the latest of equal best values, and a
+  plateau that began before the end is not "best at the end".
 * `best_step_distribution` (here) -- the same rule across the trials of a round ("always",
   "consistently"): the fraction of trials, and of the top quarter, whose best step is early or
   late, and whether the first evaluation comes early enough to see an early one.
@@ -38,8 +40,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
-from service.core.formatting import fmt
-from service.core.ranking import ranked_results
+from service.core.formatting import fmt, trial_count
+from service.core.ranking import best_row, is_finite, ranked_results
 from service.study.search import HParam
 
 Severity = Literal["ok", "warning"]
@@ -121,11 +123,6 @@ def numeric_choices(hp: HParam) -> list[Any] | None:
     return sorted(set(values), key=float)
 
 
-def trial_count(n: int) -> str:
-    """`1 trial`, `3 trials`: `n` trials in words for a verdict's message."""
-    return f"{n} trial" if n == 1 else f"{n} trials"
-
-
 def percent(x: float) -> str:
     """A fraction as a percentage with three significant digits (`0.125` -> `12.5%`)."""
     return f"{x * 100:.3g}%"
@@ -134,29 +131,92 @@ def percent(x: float) -> str:
 # ----------------------------------------------------------------------------- best step
 
 
+def first_best_step(history: Iterable[Mapping[str, Any]], metric: str, mode: str) -> int | None:
+    """The first step at which a trial's `metric` reached its best finite value in `history`
+    (its evaluations): where the best was reached. The best checkpoint (`ranking.best_row`) is
+    the latest evaluation at that value, later on a plateau. None without a finite value."""
+    history = list(history)
+    best = best_row(history, metric, mode)
+    if best is None:
+        return None
+    return min(int(r["step"]) for r in history if is_finite(r.get(metric)) and r[metric] == best[metric])
+
+
+def reached_best_step(
+    row: Mapping[str, Any], history: Iterable[Mapping[str, Any]], metric: str, mode: str
+) -> int | None:
+    """The step at which the trial of `row` reached its best value: `first_best_step` of its
+    metrics log when that is at or before the row's `best_step` (the log the row was made
+    from), else the row's `best_step` (None without one). The one rule by which the best-step
+    verdicts (`best_step_position`, `best_step_distribution`) and the training-curve verdicts
+    (`curves.best_step`) judge whether the best is at the end of training."""
+    step = as_number(row.get("best_step"))
+    first = first_best_step(history, metric, mode)
+    if first is not None and (step is None or first <= step):
+        return first
+    return None if step is None else int(step)
+
+
+def reached_best_steps(
+    rows: Iterable[Mapping[str, Any]],
+    histories: Mapping[str, Iterable[Mapping[str, Any]]],
+    metric: str,
+    mode: str,
+) -> dict[str, int]:
+    """`reached_best_step` of each row that has a metrics log in `histories`, by trial name."""
+    out = {}
+    for r in rows:
+        name = str(r.get("trial_name"))
+        if histories.get(name):
+            step = reached_best_step(r, histories[name], metric, mode)
+            if step is not None:
+                out[name] = step
+    return out
+
+
+def judged_step(row: Mapping[str, Any], reached: Mapping[str, int] | None) -> Any:
+    """The step whose place in training the best-step verdicts judge: the step at which the
+    trial first reached its best value (`reached`, by trial name) when known, else its row's
+    `best_step` (the best checkpoint, the latest of equal best values)."""
+    return (reached or {}).get(str(row.get("trial_name")), row.get("best_step"))
+
+
 def best_step_position(
-    trial_name: str, best_step: int, max_train_steps: int, compute_bound: bool = False
+    trial_name: str,
+    best_step: int,
+    max_train_steps: int,
+    compute_bound: bool = False,
+    reached_step: int | None = None,
 ) -> Verdict:
     """Where the best checkpoint of a trial falls in its training.
 
-    Exactly (in exact rational arithmetic, so that the boundaries do not depend on rounding):
-    * ``best_step <= 0.10 * max_train_steps`` -- in the first 10%: warning, max_train_steps is
+    Judged at `reached_step`, the step at which the trial first reached its best value, when
+    given (a plateau: the checkpoint at `best_step` is the latest of equal best values), else
+    at `best_step`. Exactly (in exact rational arithmetic, so that the boundaries do not depend
+    on rounding):
+    * ``step <= 0.10 * max_train_steps`` -- in the first 10%: warning, max_train_steps is
       probably too high;
-    * ``best_step > 0.75 * max_train_steps`` -- in the last 25%: warning, train longer and
+    * ``step > 0.75 * max_train_steps`` -- in the last 25%: warning, train longer and
       retune the decay;
     * otherwise ok.
     So step 100 of 1000 is early, step 101 is not; step 750 of 1000 is not late, step 751 is.
     With `compute_bound`, a late best step is what a budget that sets the length gives: ok,
     and the message says a later, longer round is where training longer pays.
-    Raises ValueError for max_train_steps <= 0 or a best_step outside [0, max_train_steps].
+    Raises ValueError for max_train_steps <= 0, a best_step outside [0, max_train_steps] or a
+    reached_step outside [0, best_step].
     """
     if max_train_steps <= 0:
         raise ValueError(f"max_train_steps must be > 0 (got {max_train_steps})")
     if not 0 <= best_step <= max_train_steps:
         raise ValueError(f"best_step must be in [0, {max_train_steps}] (got {best_step})")
-    step, total = _exact(best_step), _exact(max_train_steps)
+    reached = best_step if reached_step is None else reached_step
+    if not 0 <= reached <= best_step:
+        raise ValueError(f"reached_step must be in [0, {best_step}] (got {reached_step})")
+    step, total = _exact(reached), _exact(max_train_steps)
     position, fraction = _position(step, total), float(step / total)
     where = f"step {fmt(best_step)} of {fmt(max_train_steps)}"
+    if reached != best_step:
+        where += f", its best value first reached at step {fmt(reached)}"
     severity, message = _position_message(trial_name, where, position, fraction, compute_bound)
     return make_verdict(
         "best_step_position",
@@ -166,6 +226,7 @@ def best_step_position(
         position=position,
         trial_name=trial_name,
         best_step=best_step,
+        reached_step=reached,
         max_train_steps=max_train_steps,
         fraction=fraction,
     )
@@ -221,6 +282,7 @@ def best_step_distribution(
     mode: str,
     eval_every_steps: int | None = None,
     compute_bound: bool = False,
+    reached: Mapping[str, int] | None = None,
 ) -> Verdict | None:
     """Where the best checkpoints of a round's trials fall: the playbook's rule is about the
     trials together ("if the best step is *always* in the first 10%", "*consistently* in the
@@ -233,23 +295,28 @@ def best_step_distribution(
     (train longer and retune the decay). With `compute_bound`, "late" is what a budget that
     sets the length gives: said, with severity ok (the next, longer round is the remedy).
 
+    Each trial is judged at `judged_step`: the step at which it first reached its best value
+    (`reached`, by trial name, from the metrics logs), else its row's best_step.
+
     With `eval_every_steps`, a trial whose first evaluation (step min(eval_every_steps,
     max_train_steps)) comes after the first 10% of its training cannot show an early best
     step; the message says so. No such results: None.
     """
     ranked = [
-        r for r in ranked_results(rows, mode) if step_position(r.get("best_step"), r.get("max_train_steps"))
+        r
+        for r in ranked_results(rows, mode)
+        if step_position(judged_step(r, reached), r.get("max_train_steps"))
     ]
     if not ranked:
         return None
     (n, early, late), (k, top_early, top_late) = (
-        _places(ranked),
-        _places(ranked[: math.ceil(len(ranked) / 4)]),
+        _places(ranked, reached),
+        _places(ranked[: math.ceil(len(ranked) / 4)], reached),
     )
     text = (
-        f"Best checkpoints of the {trial_count(n)}: {early} ({percent(early / n)}) in the first 10% of "
-        f"training, {late} ({percent(late / n)}) in the last 25%; of the top quarter ({trial_count(k)} by "
-        f"metric): {top_early} early, {top_late} late."
+        f"Best checkpoint{'s' if n > 1 else ''} of the {trial_count(n)}: {early} ({percent(early / n)}) in "
+        f"the first 10% of training, {late} ({percent(late / n)}) in the last 25%; of the top quarter "
+        f"({trial_count(k)} by metric): {top_early} early, {top_late} late."
     )
     blind = _first_blind(ranked, eval_every_steps)
     if blind is not None:
@@ -275,9 +342,9 @@ def best_step_distribution(
     )
 
 
-def _places(rows: list[Mapping[str, Any]]) -> tuple[int, int, int]:
-    """How many `rows`, and how many of them have their best step early and late."""
-    places = [step_position(r["best_step"], r["max_train_steps"]) for r in rows]
+def _places(rows: list[Mapping[str, Any]], reached: Mapping[str, int] | None) -> tuple[int, int, int]:
+    """How many `rows`, and how many of them have their best step (`judged_step`) early and late."""
+    places = [step_position(judged_step(r, reached), r["max_train_steps"]) for r in rows]
     return len(rows), places.count("early"), places.count("late")
 
 
@@ -321,11 +388,14 @@ def study_verdicts(
     mode: str,
     eval_every_steps: int | None = None,
     compute_bound: bool = False,
+    reached: Mapping[str, int] | None = None,
 ) -> list[Verdict]:
     """All the checks with their defaults, in this order: `best_step_position` of the overall
     best result (when its row has best_step and max_train_steps), `best_step_distribution`
     over all results (given `eval_every_steps` and `compute_bound`), `boundary` (top_k=1),
-    `infeasible_region`, `enough_trials` (seed 0)."""
+    `infeasible_region`, `enough_trials` (seed 0). `reached`: the step at which each trial
+    first reached its best value, by trial name (`reached_best_steps`), where the two best-step
+    checks judge it."""
     from service.analysis.enough_trials import enough_trials
     from service.analysis.search_space import boundary, infeasible_region
 
@@ -336,8 +406,10 @@ def study_verdicts(
         best = ranked[0]
         step, total = best.get("best_step"), best.get("max_train_steps")
         if step is not None and total is not None:
-            out.append(best_step_position(str(best.get("trial_name")), step, total, compute_bound))
-    spread = best_step_distribution(rows, mode, eval_every_steps, compute_bound)
+            name = str(best.get("trial_name"))
+            at = (reached or {}).get(name)
+            out.append(best_step_position(name, step, total, compute_bound, at))
+    spread = best_step_distribution(rows, mode, eval_every_steps, compute_bound, reached)
     if spread is not None:
         out.append(spread)
     out.extend(boundary(rows, space, mode))

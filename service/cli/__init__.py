@@ -17,7 +17,8 @@ import os
 import sys
 
 from service.cli.parser import parser
-from service.core.errors import PlaybookError
+from service.core import stop_signal
+from service.core.errors import PlaybookError, RunStopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,12 +29,16 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return output_closed()
+    except RunStopped as e:
+        print(f"playbook: {e}", file=sys.stderr)
+        return e.exit_code
     except PlaybookError as e:
         print(f"playbook: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("playbook: interrupted", file=sys.stderr)
-        return 130
+        how, code = ("stopped by SIGTERM", 143) if stop_signal.by_sigterm() else ("interrupted", 130)
+        print(f"playbook: {how}", file=sys.stderr)
+        return code
 
 
 def output_closed() -> int:

@@ -10,6 +10,7 @@ import os
 import sys
 
 from service.cli import reaper
+from service.core import stop_signal
 from service.study import spec
 
 
@@ -58,6 +59,7 @@ def connect_ray(import_path: list[str] | None = None, verbose: bool = False) -> 
         )
     if not verbose:
         drop_ray_noise()
+    stop_signal.raise_on_sigterm()  # after ray.init, whose handlers it replaces
     return None if address else context.dashboard_url or None
 
 

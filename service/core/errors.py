@@ -71,6 +71,17 @@ class StudyInterrupted(PlaybookError):
     exit_code = 1
 
 
+class RunStopped(PlaybookError):
+    """`playbook run` stopped by its user (SIGINT, Ctrl-C) or by SIGTERM while the study ran: its
+    trial table and index row are saved as they were (state `stopped`), and running the same
+    command again resumes it. Not an error: one line without "error:", exit code 130 or 143 as
+    a shell reports a process ended by that signal."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class StudyNotFound(PlaybookError):
     """No running coordinator and no stored study under that name."""
 

@@ -20,3 +20,8 @@ def fmt(v: Any) -> str:
 def cell(v: Any) -> str:
     """A value as a table cell: `fmt`, and '-' for a missing value."""
     return "-" if v is None else fmt(v)
+
+
+def trial_count(n: int) -> str:
+    """`1 trial`, `3 trials`: `n` trials in words."""
+    return f"{n} trial" if n == 1 else f"{n} trials"

@@ -14,8 +14,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.analysis.report_lines import log_lines, round_verdicts
-from service.core import storage
-from service.core.errors import PlaybookError, StorageFull, StudyInterrupted
+from service.core import stop_signal, storage
+from service.core.errors import PlaybookError, RunStopped, StorageFull, StudyInterrupted
+from service.core.formatting import trial_count
 from service.core.trial_status import DONE, TrialStatus
 from service.orchestration.ray_private import remove_orphaned_placement_groups, remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
@@ -42,6 +43,7 @@ MIN_TRIALS_PER_TUNE_RUN = 512
 TUNE_RUN_SLOT_TRIALS = 32
 # How often the command that started a study fetches and prints the coordinator's new lines.
 CONSOLE_POLL_S = 0.5
+STOP_SAVE_S = 15
 # A Tune run whose TuneRun process died is started again (for its trials not done) this often.
 MAX_TUNE_RUN_RESTARTS = 2
 ORPHAN_SWEEP_S = 5.0
@@ -121,6 +123,13 @@ class Coordinator:
         self._write_rows(state="finished")
         return self.table.snapshot()
 
+    def stop(self) -> None:
+        """The command that runs the study was stopped: save the trial table as it is (with the
+        running trials' last steps) and the study's index row as `stopped`, which later writes
+        of this coordinator, about to be ended, leave as they are."""
+        self._write_rows(state="stopped")
+        self.table.on_save = None
+
     def _write_rows(self, state: str) -> None:
         """The trial table now (a coalesced write still waiting is done here, not after this),
         then the study's index row with its final state."""
@@ -167,7 +176,7 @@ class Coordinator:
         if len(todo) < len(configs):
             self.console.say(
                 f"round {rnd.name}: resuming from {self.study.study_uri}: "
-                f"{len(configs) - len(todo)} of {len(configs)} trials already done"
+                f"{len(configs) - len(todo)} of {trial_count(len(configs))} already done"
             )
         if not todo:
             return 0
@@ -175,7 +184,7 @@ class Coordinator:
         size = rnd.trials_per_tune_run or max(MIN_TRIALS_PER_TUNE_RUN, TUNE_RUN_SLOT_TRIALS * concurrency)
         runs = math.ceil(len(todo) / size)
         self.console.say(
-            f"round {rnd.name}: {len(todo)} trials, at most {concurrency} at once"
+            f"round {rnd.name}: {trial_count(len(todo))}, at most {concurrency} at once"
             + (f", in {runs} Tune runs of up to {size}" if runs > 1 else "")
         )
         self._tune_runs(rnd.name, [todo[i : i + size] for i in range(0, len(todo), size)], concurrency, last)
@@ -185,7 +194,7 @@ class Coordinator:
         """One Tune run whose searcher plans the round's trials one at a time; their rows appear
         as they start (`trial_event`). A resumed round runs only the trials it still lacks."""
         todo, first = bayesian.remaining(rnd, self.table.snapshot())
-        self.console.say(f"round {rnd.name}: {todo} trials, one at a time (bayesian)")
+        self.console.say(f"round {rnd.name}: {trial_count(todo)}, one at a time (bayesian)")
         if not todo:
             return 0
         runner = self.spare_runner or tune_runner()
@@ -229,7 +238,7 @@ class Coordinator:
                     configs = self._not_done(configs)
                     self.console.say(
                         f"round {name}: its Tune run's process died ({type(e).__name__}); starting "
-                        f"{len(configs)} trials not done again, from their checkpoints"
+                        f"{trial_count(len(configs))} not done again, from their checkpoints"
                     )
                     remove_placement_groups_of(runner)
                     runner = tune_runner()
@@ -352,8 +361,25 @@ def run_study(study: Study, view=None, settle_metrics: bool = False) -> list[dic
         if e.actor_init_failed:
             raise
         raise coordinator_died(study, name, e) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`core.stop_signal`)
+        raise stopped(study, coordinator) from None
     finally:
         ray.kill(coordinator)
+
+
+def stopped(study: Study, coordinator) -> RunStopped:
+    """The command was stopped (Ctrl-C, SIGTERM): the coordinator saves the study's state as
+    it is, if it still can within STOP_SAVE_S; the one line that says so."""
+    try:
+        ray.get(coordinator.stop.remote(), timeout=STOP_SAVE_S)
+    except Exception:  # its Ray went down with the signal (Ctrl-C reaches the whole terminal)
+        pass
+    how, code = ("stopped by SIGTERM", 143) if stop_signal.by_sigterm() else ("interrupted", 130)
+    return RunStopped(
+        f"{how}; finished trials and checkpoints are kept in {study.study_uri}: run the same command "
+        "again to resume the study",
+        code,
+    )
 
 
 def follow(coordinator, done: ray.ObjectRef, view) -> list[dict]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
 from service.analysis.input_bound import trial_input_row
+from service.analysis.verdicts import first_best_step
 from service.core import storage
 from service.core.errors import CheckpointError, DataError, SpecError, StorageError, StorageFull
 from service.core.ranking import best_row, worst
@@ -326,6 +327,7 @@ def summary_fields(plan: TrialPlan, checkpoint_by_step: dict[int, str], num_chec
         "last_step": last.get("step", 0),
         "last_metric": last.get(tr.metric),
         "best_step": best["step"] if best else None,
+        "reached_best_step": first_best_step(history, tr.metric, tr.mode),  # where a plateau began
         "best_checkpoint": checkpoint_by_step.get(best["step"]) if best else None,
         "num_checkpoints": num_checkpoints,
         "diverged_at_step": last.get("diverged_at_step"),

@@ -10,7 +10,7 @@ from typing import Any
 
 from service.analysis import curves
 from service.analysis.input_bound import row_verdicts
-from service.analysis.verdicts import Verdict, as_number, best_step_position
+from service.analysis.verdicts import Verdict, as_number, best_step_position, reached_best_step
 from service.core.trial_status import TrialStatus
 from service.report.load import StudyData
 
@@ -40,11 +40,12 @@ def label(v: Verdict) -> str:
 def row_warnings(data: StudyData, row: Mapping[str, Any]) -> list[Verdict]:
     """A trial's warnings: its best step's position (FINISHED), input-bound, its curves'."""
     out = []
+    history = data.histories.get(str(row["trial_name"]), [])
     step, total = as_number(row.get("best_step")), as_number(row.get("max_train_steps"))
     if row.get("status") == TrialStatus.FINISHED and step is not None and total:
-        out.append(best_step_position(str(row["trial_name"]), int(step), int(total)))
+        reached = reached_best_step(row, history, data.metric, data.mode)
+        out.append(best_step_position(str(row["trial_name"]), int(step), int(total), reached_step=reached))
     out += row_verdicts([row])
-    history = data.histories.get(str(row["trial_name"]), [])
     out += curves.trial_verdicts(row, history, data.metric, data.mode, data.study.curves)
     return [v for v in out if v.is_warning]
 

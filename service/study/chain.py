@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.core.formatting import fmt
+from service.core.formatting import fmt, trial_count
 from service.study.search import HParam, Round
 from service.study.spec import Study
 
@@ -28,7 +28,7 @@ class Link:
     def line(self) -> str:
         """`explore-2: quasi_random, 16 trials x 300 steps; changed: ...; why: ...`"""
         source = f" from {self.source}" if self.source else ""
-        text = f"{self.round}: {self.kind}{source}, {self.num_trials} trials x {self.steps} steps"
+        text = f"{self.round}: {self.kind}{source}, {trial_count(self.num_trials)} x {self.steps} steps"
         if self.changes:
             text += "; changed: " + ", ".join(self.changes)
         return text + (f"; why: {self.reason}" if self.reason else "")

@@ -39,7 +39,7 @@ class TrialEvents:
         if reached:
             self.say(f"[{name}] resumed from its latest checkpoint (step {reached}/{total} reached before)")
         else:
-            hparams = " ".join(f"{k}={fmt(v)}" for k, v in trial.get("hparams", {}).items())
+            hparams = " ".join(f"{k}={fmt(v)}" for k, v in sorted(trial.get("hparams", {}).items()))
             self.say(f"[{name}] started: {total} steps, {hparams}".rstrip(", "))
         self.table.save_soon()  # and the study's index row (the table's on_save)
         if self.observers:
@@ -57,6 +57,9 @@ class TrialEvents:
         if self.mirror:
             self.mirror.report(name, result)
         self.table.update(name, status=TrialStatus.RUNNING, step=step, metric=result.get(self.metric))
+        # Stored as it goes (coalesced): `playbook status` without a coordinator, and a rerun
+        # after the study stopped ("resumed ... step S/N reached before"), read this step.
+        self.table.save_soon()
         self.console.progress(
             name,
             round=trial.get("round"),
@@ -84,7 +87,10 @@ class TrialEvents:
             **{k: result.get(k) for k in INPUT_ROW_FIELDS},
         )
         if status == TrialStatus.FINISHED and row.get("best_step") is not None:
-            verdict = best_step_position(name, row["best_step"], row["max_train_steps"])
+            reached = result.get("reached_best_step")  # judged where its best value was first reached
+            if reached is None or reached > row["best_step"]:
+                reached = None
+            verdict = best_step_position(name, row["best_step"], row["max_train_steps"], reached_step=reached)
             self.table.update(name, step_verdict=verdict.message if verdict.is_warning else "ok")
         at = f" at step {row.get('diverged_at_step')}" if diverged else ""
         self.say(

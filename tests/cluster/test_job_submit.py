@@ -136,7 +136,7 @@ def test_job_submit_runs_the_study(ray_head, digits_dir, tmp_path):
         time.sleep(0.5)
     logs = job_logs(address, job_id, env)
     assert job_state(address, job_id, env) == "SUCCEEDED", logs[-4000:]
-    assert "2 of 2 trials already done" in logs and "round more: 1 trials" in logs, logs[-4000:]
+    assert "2 of 2 trials already done" in logs and "round more: 1 trial," in logs, logs[-4000:]
     rows = pq.read_table(str(storage / "submitted" / "trials.parquet")).to_pylist()
     assert sorted(r["trial_name"] for r in rows) == ["explore-0000", "explore-0001", "more-0000"]
     assert all(r["status"] == "FINISHED" for r in rows)

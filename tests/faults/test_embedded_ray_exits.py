@@ -7,6 +7,7 @@ DashboardAgent and RuntimeEnvAgent among them) alive 20 s later, nor its watcher
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -72,11 +73,34 @@ def test_a_killed_coordinator_ends_the_run_in_one_line_and_a_rerun_finishes(digi
     assert (row["status"], row["step"]) == ("FINISHED", 800)
 
 
+STOPPED = {
+    signal.SIGTERM: ("stopped by SIGTERM", 143),
+    signal.SIGINT: ("interrupted", 130),
+}
+"""What `playbook run` says and exits with, stopped by a signal it can handle."""
+
+
+def stored_row(folder) -> dict:
+    """The study's one trial row as stored (empty while there is none)."""
+    with contextlib.suppress(OSError, ValueError):
+        (row,) = pq.read_table(folder / "storage" / "embedded" / "trials.parquet").to_pylist()
+        return row
+    return {}
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_killed_run_leaves_none_of_its_ray_processes(digits_dir, tmp_path, sig):
+    """Also: SIGTERM and SIGINT end it in one line that says how to resume, after the study's
+    state is saved: the trial's row with the step it had reached (stored as the trial goes),
+    the study `stopped` in the storage root's table."""
     proc = start_run(write_study(digits_dir, tmp_path, steps=3000), tmp_path)
     try:
         wait_for_title(proc, "ray::ImplicitFunc")
+        if sig in STOPPED:  # stored while the trial trains, before the run ends
+            deadline = time.time() + 120
+            while not stored_row(tmp_path).get("step") and time.time() < deadline:
+                time.sleep(0.2)
+            assert stored_row(tmp_path).get("step"), "the running trial's step was never stored"
         agents = [
             t
             for t in titles(proc.pid).values()
@@ -84,13 +108,26 @@ def test_a_killed_run_leaves_none_of_its_ray_processes(digits_dir, tmp_path, sig
         ]
         assert len(agents) == 2, titles(proc.pid)  # what outlived a SIGKILLed run
         os.kill(proc.pid, sig)
-        proc.wait(timeout=60)
+        code = proc.wait(timeout=60)
         deadline = time.time() + GONE_WITHIN_S
         while (session_pids(proc.pid) or watchers_of(proc.pid)) and time.time() < deadline:
             time.sleep(0.5)
         left = titles(proc.pid)
         assert not left, f"alive {GONE_WITHIN_S} s after {sig.name}: {left}"
         assert not watchers_of(proc.pid)
+        if sig in STOPPED:
+            how, want_code = STOPPED[sig]
+            out, err = output(tmp_path)
+            assert "Traceback" not in out + err and "***" not in err, err[-3000:]
+            assert (code, command_lines(err)) == (
+                want_code,
+                [
+                    f"playbook: {how}; finished trials and checkpoints are kept in "
+                    f"{tmp_path / 'storage' / 'embedded'}: run the same command again to resume the study"
+                ],
+            )
+            (study,) = pq.read_table(tmp_path / "storage" / "studies.parquet").to_pylist()
+            assert study["state"] == "stopped" and stored_row(tmp_path)["status"] == "RUNNING"
     finally:
         kill_session(proc.pid)
         for pid in watchers_of(proc.pid):

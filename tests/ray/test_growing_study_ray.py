@@ -112,7 +112,7 @@ def test_an_appended_round_runs_alone(grown):
     assert all(r["status"] == "FINISHED" for r in table.values())
     assert "round explore: resuming from" in out["run2"].stdout
     assert "2 of 2 trials already done" in out["run2"].stdout
-    assert "round longer: 1 trials" in out["run2"].stdout
+    assert "round longer: 1 trial," in out["run2"].stdout
     assert "round explore: 2 trials" not in out["run2"].stdout
     best = min(
         (table["explore-0000"], table["explore-0001"]), key=lambda r: (r["best_metric"], r["trial_name"])

@@ -107,7 +107,7 @@ def test_run_prints_one_line_per_event_and_each_round_verdicts_once(ray_cluster,
     explore, exploit = verdict_blocks(uri)
     at_explore, at_exploit = block_once(lines, explore), block_once(lines, exploit)
     explore_planned = lines.index("round explore: 2 trials, at most 2 at once")
-    exploit_planned = lines.index("round exploit: 1 trials, at most 2 at once")
+    exploit_planned = lines.index("round exploit: 1 trial, at most 2 at once")
     assert explore_planned < at_explore < exploit_planned < at_exploit
     assert not [x for x in lines if TABLE_HEADER.match(x)]  # no live table in a pipe
     table = next(i for i, x in enumerate(lines) if x.startswith("trial_name "))

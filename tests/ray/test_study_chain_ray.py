@@ -95,4 +95,4 @@ def test_status_and_report_of_b_show_the_round_it_builds_on(chain, tmp_path):
             [sys.executable, "-m", "service", *args], capture_output=True, text=True, env=env, timeout=120
         )
         assert out.returncode == 0, out.stderr[-2000:]
-        assert "longer: extend from chain-a/explore, 1 trials x 80 steps" in out.stdout
+        assert "longer: extend from chain-a/explore, 1 trial x 80 steps" in out.stdout

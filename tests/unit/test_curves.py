@@ -83,6 +83,84 @@ def test_no_overfitting_within_the_threshold_or_when_training_loss_rises_too():
     assert "overfitting" not in verdicts(history(OVERFIT, rising))
 
 
+def rate_history(
+    errors: list[int], n: int, train: list[float], steps: list[int], supports=None
+) -> list[dict]:
+    """A validation/error curve counted in examples: `errors[i]` wrong of `n` at `steps[i]`,
+    with the evaluation's `validation/count` and, given `supports`, its per-class supports."""
+    out = []
+    for s, e, t in zip(steps, errors, train, strict=True):
+        h = {"step": s, "validation/error": e / n, "validation/count": n, "train/loss": t}
+        if supports is not None:
+            h["validation/per_class"] = [{"class": k, "support": c} for k, c in enumerate(supports)]
+        out.append(h)
+    return out
+
+
+NEVER_TRAINED = dict(
+    errors=[248, 247, 245, 246], train=[2.297, 2.2965, 2.2955, 2.295], steps=[20, 40, 60, 80]
+)
+"""The user's model that never trained, on 270 validation examples of 10 classes (27 each): best
+245/270 = 0.9074 at step 60, ends 246/270 = 0.9111 at step 80 -- one example, 33.3% of the
+improvement 3/270 -- while train/loss still fell. The binomial standard error at the best,
+sqrt(0.9074 x 0.0926 / 270) = 0.01764 (4.8 examples), is larger than both the give-back and the
+improvement. Chance (predicting the most frequent class) is an error of 1 - 27/270 = 0.9."""
+
+
+def test_no_overfitting_when_the_give_back_is_within_the_evaluations_noise():
+    h = rate_history(NEVER_TRAINED["errors"], 270, NEVER_TRAINED["train"], NEVER_TRAINED["steps"])
+    t = curves.trial_curves(row(total=80), h, "validation/error", "min")
+    noise, n = curves.metric_noise(t)
+    assert n == 270 and noise == pytest.approx(0.01764, abs=5e-6)
+    assert noise == pytest.approx(((245 / 270) * (25 / 270) / 270) ** 0.5)
+    assert "overfitting" not in verdicts(h, row(total=80), metric="validation/error")
+    # the same fractions of 27,000 examples: standard error 0.001764, under the give-back
+    # 0.0037 and the improvement 0.0111: overfitting, as before
+    big = rate_history([100 * e for e in NEVER_TRAINED["errors"]], 27000, NEVER_TRAINED["train"],
+                       NEVER_TRAINED["steps"])  # fmt: skip
+    v = verdicts(big, row(total=80), metric="validation/error")["overfitting"]
+    assert v.facts["onset_step"] == 60 and v.facts["noise"] == pytest.approx(0.001764, abs=5e-7)
+    assert "giving back 33.3% of its improvement" in v.message
+    # an improvement of 20 examples (0.0741, beyond the noise) and 3 given back (0.0111, 15% of
+    # it): within the noise 0.01764 at p = 25/270 (the same as at 245/270); 6 back (0.0222) is not
+    learned = [45, 35, 25, 28]
+    assert "overfitting" not in verdicts(
+        rate_history(learned, 270, NEVER_TRAINED["train"], NEVER_TRAINED["steps"]), row(total=80),
+        metric="validation/error",
+    )  # fmt: skip
+    learned[-1] = 31
+    assert "overfitting" in verdicts(
+        rate_history(learned, 270, NEVER_TRAINED["train"], NEVER_TRAINED["steps"]), row(total=80),
+        metric="validation/error",
+    )  # fmt: skip
+
+
+def test_a_model_that_never_trained_is_said_to_have_learned_nothing():
+    h = rate_history(**NEVER_TRAINED, n=270, supports=[27] * 10)
+    found = verdicts(h, row("explore-0000", total=80), metric="validation/error")
+    assert set(found) == {"did_not_learn"}
+    f = found["did_not_learn"].facts
+    assert (f["first_value"], f["best_value"], f["best_step"]) == (248 / 270, 245 / 270, 60)
+    assert f["trivial_value"] == pytest.approx(0.9) and f["num_examples"] == 270
+    assert found["did_not_learn"].message == (
+        "explore-0000 did not learn: validation/error's best, 0.9074 at step 60, is 3 of 270 examples "
+        "(0.01111) better than its first evaluation, 0.9185 at step 20, within the evaluation's noise "
+        "(0.01764), and no better than predicting the most frequent class (0.9); train/loss went from "
+        "2.297 at step 20 to 2.295 at step 80: check the learning rate, the labels and the input pipeline."
+    )
+    # as accuracy (mode max): the same reading
+    acc = [{**r, "validation/accuracy": 1 - r["validation/error"]} for r in h]
+    assert "did_not_learn" in verdicts(acc, row(total=80), metric="validation/accuracy", mode="max")
+
+    # learned before its first evaluation: 14/270 = 0.0519, best 12/270 = 0.0444, within the
+    # noise sqrt(0.0444 x 0.9556 / 270) = 0.01254 of the first, but far better than chance 0.9
+    h = rate_history([14, 13, 12, 13], 270, [0.3, 0.2, 0.1, 0.05], [20, 40, 60, 80], supports=[27] * 10)
+    assert "did_not_learn" not in verdicts(h, row(total=80), metric="validation/error")
+    # without the per-class supports, chance is not known: nothing is said
+    plain = rate_history(**NEVER_TRAINED, n=270)
+    assert "did_not_learn" not in verdicts(plain, row(total=80), metric="validation/error")
+
+
 LINEAR = [1.0 - 0.09 * i for i in range(10)]
 """Still falling steadily: best before the last 25% (steps <= 75) 0.46 at step 70, at the end
 0.19 at step 100: 0.27 of the improvement 0.81 (33.3%)."""
@@ -137,16 +215,36 @@ def test_a_saturated_curve_says_steps_were_wasted():
 
 
 def test_a_flat_curve_whose_best_step_is_late_is_not_saturated_early():
-    """best_step_position reads a best step in the last 25% as "train longer" (the playbook: in
-    doubt, train longer); saturated_early ("fewer steps would do") is not said of that trial."""
+    """best_step_position reads a best value first reached in the last 25% as "train longer"
+    (the playbook: in doubt, train longer); saturated_early ("fewer steps would do") is not said
+    of that trial."""
     late_best = SATURATED[:-1] + [0.199]  # best 0.199 at step 100; within 2% of it from step 30
     assert "saturated_early" not in verdicts(history(late_best, SATURATED_TRAIN))
-    # the row's best step (the retrospective best checkpoint) is the one read
-    assert "saturated_early" not in verdicts(history(SATURATED, SATURATED_TRAIN), row(best_step=80))
-    assert "saturated_early" in verdicts(history(SATURATED, SATURATED_TRAIN), row(best_step=75))
-    # an exact plateau: the trainer's best step is the latest at the best value (step 100)
+    # best 0.199 first reached at step 80 (> 75), equalled at 90 and 100: late
+    late_plateau = SATURATED[:7] + [0.199] * 3
+    assert "saturated_early" not in verdicts(history(late_plateau, SATURATED_TRAIN), row(best_step=100))
+
+
+def test_a_plateau_that_began_before_the_last_quarter_is_not_best_at_the_end():
+    """An exact plateau: the best checkpoint (the row's best_step) is the latest of equal best
+    values, step 100 of 100, but the best 0.2 was first reached at step 40: not "best at the
+    end", so saturated_early is said (both curves within 2% of their improvement by step 30:
+    0.201 <= 0.2 + 0.02 x 0.8 = 0.216, 0.1 <= 0.1 + 0.02 x 0.9)."""
     plateau = [1.0, 0.3, 0.201] + [0.2] * 7
-    assert "saturated_early" not in verdicts(history(plateau, SATURATED_TRAIN))
+    found = verdicts(history(plateau, SATURATED_TRAIN), row(best_step=100))
+    assert found["saturated_early"].facts["saturation_steps"] == (30, 30)
+    assert curves.best_step(curves.trial_curves(row(best_step=100), history(plateau, SATURATED_TRAIN),
+                                                "validation/loss", "min")) == 40  # fmt: skip
+
+
+def test_the_saturated_early_message_speaks_of_one_trial():
+    v = verdicts(history(SATURATED, SATURATED_TRAIN))["saturated_early"]
+    assert v.message == (
+        "t-0 saturated early: validation/loss had made 98% of its improvement by step 30 and "
+        "train/loss by step 30, of 100 steps; the steps after step 30 changed little (a lower "
+        "max_train_steps would do)."
+    )
+    assert "their" not in v.message
 
 
 DEMO_BEST = [0.4148, 0.1741, 0.0889, 0.0481, 0.0222, 0.0185, 0.0222, 0.0222, 0.0148, 0.0185]
@@ -194,6 +292,24 @@ def test_a_round_whose_best_checkpoint_is_last_is_not_said_to_have_no_late_impro
         [row(best_metric=0.2)], {"t-0": history(middle, FALLING)}, "validation/loss", "min", TH
     )
     assert v.facts["late_best"] == () and "show no overfitting, late noise, late improvement," in v.message
+
+
+def test_a_plateau_begun_before_the_last_quarter_does_not_say_train_longer_stands():
+    """The user's flat curve: validation/error 10/270 = 0.037037 at steps 100 to 160 of 160, its
+    best checkpoint at step 160 (the latest of equal values), its best first reached at step 100
+    (62.5%): the all-clear names no trial whose best is late (no "train longer stands"); the
+    same curve 9/270 at step 160 (strictly better there) is late, and it does."""
+    steps = list(range(20, 161, 20))
+    train = [2.0, 1.0, 0.5, 0.3, 0.2, 0.15, 0.12, 0.1]
+    flat = history([e / 270 for e in [135, 54, 27, 14, 10, 10, 10, 10]], train, steps, "validation/error")
+    r = row("explore-0000", total=160, best_step=160, best_metric=10 / 270)
+    (v,) = curve_summary.round_verdicts([r], {"explore-0000": flat}, "validation/error", "min", TH)
+    assert (v.kind, v.facts["late_best"]) == ("training_curves", ())
+    assert "stands" not in v.message and "show no overfitting, late noise, late improvement," in v.message
+    better = flat[:-1] + [{**flat[-1], "validation/error": 9 / 270}]
+    r = row("explore-0000", total=160, best_step=160, best_metric=9 / 270)
+    (v,) = curve_summary.round_verdicts([r], {"explore-0000": better}, "validation/error", "min", TH)
+    assert v.facts["late_best"] == ("explore-0000",) and v.message.endswith('"train longer" stands.')
 
 
 def test_a_rising_training_loss_names_its_lowest_step():

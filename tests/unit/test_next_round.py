@@ -136,6 +136,38 @@ def test_late_best_checkpoints_extend_the_best_twice_as_long():
     }
 
 
+def flat_tail_logs(last: int) -> dict[str, list[dict]]:
+    """Eight trials of 160 steps, validation/error in examples of 270 every 20 steps: 10 wrong
+    from step 100 on (0.037037, the user's flat curve), then `last` wrong at step 160."""
+    errors = [135, 54, 27, 14, 10, 10, 10, last]
+    return {
+        f"explore-{i:04d}": [
+            {"step": 20 * (j + 1), "validation/error": (e + i) / 270} for j, e in enumerate(errors)
+        ]
+        for i in range(8)
+    }
+
+
+def test_a_best_value_held_since_before_the_last_quarter_is_not_extended():
+    """The best checkpoints are all at step 160 of 160 (the latest of equal values), but each
+    trial reached its best at step 100 (62.5%): not late, so no extend round; the same trials
+    improving strictly at step 160 (9 wrong, not 10) are late: extended."""
+    study = study_of()
+    rows = [row(i, (10 + i) / 270, best_step=160, max_train_steps=160) for i in range(8)]
+    found = verdicts_for_round(study, "explore", rows, flat_tail_logs(10))
+    (position,) = of_kind(found, "best_step_position")
+    assert (position.facts["reached_step"], position.facts["position"]) == (100, "middle")
+    spread = of_kind(found, "best_step_distribution")
+    assert spread[0].facts["late"] == 0
+    assert propose(study, "explore", rows, spread).empty
+    rows = [row(i, (9 + i) / 270, best_step=160, max_train_steps=160) for i in range(8)]
+    found = verdicts_for_round(study, "explore", rows, flat_tail_logs(9))
+    (position,) = of_kind(found, "best_step_position")
+    assert position.facts["position"] == "late" and "train longer" in position.message
+    p = propose(study, "explore", rows, of_kind(found, "best_step_distribution"))
+    assert fields(p)["kind"] == "extend" and fields(p)["step_multiplier"] == 2.0
+
+
 def test_late_best_checkpoints_in_a_compute_bound_study_extend_as_far_as_the_budget_allows():
     """8 trials x 1000 steps spent of 11000: 3000 left for 2 trials of 1000 x m: m = 1.5."""
     study = study_of(budget={"compute_bound": True, "max_total_steps": 11000, "first_round_share": 0.8})
@@ -149,6 +181,21 @@ def test_late_best_checkpoints_in_a_compute_bound_study_extend_as_far_as_the_bud
         spent, "explore", rows, of_kind(verdicts_for_round(spent, "explore", rows), "best_step_distribution")
     )
     assert p.empty and "1000 steps left" in p.notes[0]
+
+
+def test_one_late_trial_is_counted_as_one_trial():
+    """An extend round of one trial of 2000 steps, late: "1 of 1 trial"; in a compute-bound
+    study with 1000 steps left (3000, 2000 spent), no longer round of "1 trial" fits."""
+    rounds = [{"name": "explore", "num_trials": 8}, {"name": "long", "kind": "extend", "num_trials": 1}]
+    study = study_of(rounds=rounds)
+    rows = [row(0, 0.1, best_step=1900, rnd="long", max_train_steps=2000, step=2000)]
+    p = propose(study, "long", rows, verdicts_for_round(study, "long", rows))
+    (kind,) = [f for f in p.fields if f.key == "kind"]
+    assert kind.why == "best checkpoints late: 1 of 1 trial (1 of the best 1) in the last 25% of training"
+    budget = {"compute_bound": True, "max_total_steps": 3000, "first_round_share": 0.5}
+    tight = study_of(rounds=rounds, budget=budget)
+    p = propose(tight, "long", rows, verdicts_for_round(tight, "long", rows))
+    assert p.empty and p.notes[-1].endswith("the budget has 1000 steps left: no longer round of 1 trial fits")
 
 
 def test_an_extend_round_still_late_is_extended_again_with_its_trials():

@@ -50,6 +50,8 @@ def test_validate_data_refuses_an_overlap_with_its_count(digits_dir, tmp_path, c
     assert len(err.splitlines()) == 1
     assert "7 of 277 validation examples have an example_id that is also in the training split" in err
     assert "data.allow_overlap: true" in err
+    # the study field first, as every other bad-input error names it, then the path
+    assert err.startswith(f"playbook: error: data.validation: {root / 'validation'}: 7 of 277 ")
 
 
 def test_run_refuses_an_overlap_before_anything_starts(digits_dir, tmp_path, capsys):
@@ -67,6 +69,7 @@ def test_an_allowed_overlap_is_a_warning_with_the_count(digits_dir, tmp_path, ca
     out = capsys.readouterr()
     assert out.out.startswith("ok:")
     assert "warning:" in out.err and "5 of 275 validation examples" in out.err
+    assert f"playbook: warning: data.validation: {root / 'validation'}: 5 of 275 " in out.err
 
 
 def test_disjoint_splits_pass(digits_dir, tmp_path):

@@ -13,9 +13,13 @@ from service.analysis.search_space import boundary, infeasible_region
 from service.analysis.verdicts import (
     Verdict,
     best_step_position,
+    first_best_step,
     range_position,
+    reached_best_step,
+    reached_best_steps,
     study_verdicts,
 )
+from service.core import ranking
 from service.core.ranking import ranked_results
 from service.study.search import HParam
 
@@ -110,6 +114,74 @@ def test_best_step_position_rejects_impossible_steps():
         best_step_position("t", 1001, 1000)
     with pytest.raises(ValueError, match="best_step"):
         best_step_position("t", -1, 1000)
+
+
+STEPS_160 = list(range(20, 161, 20))
+PLATEAU = [135, 54, 27, 14, 10, 10, 10, 10]
+"""The user's flat curve, validation/error in examples of 270: 10/270 = 0.037037 at steps 100,
+120, 140 and 160, the last. The best checkpoint is the latest at that value (step 160); the
+best value was first reached at step 100, 62.5% of training."""
+
+
+def error_log(errors: list[int], n: int = 270, steps=STEPS_160) -> list[dict]:
+    return [{"step": s, "validation/error": e / n} for s, e in zip(steps, errors, strict=True)]
+
+
+def test_the_best_value_is_first_reached_where_its_plateau_begins():
+    h = error_log(PLATEAU)
+    assert ranking.best_row(h, "validation/error", "min")["step"] == 160  # the checkpoint: kept
+    assert first_best_step(h, "validation/error", "min") == 100
+    r = row("explore-0003", metric=10 / 270, best_step=160, max_train_steps=160)
+    assert reached_best_step(r, h, "validation/error", "min") == 100
+    # strictly better at the last step (9/270): reached there
+    assert first_best_step(error_log(PLATEAU[:-1] + [9]), "validation/error", "min") == 160
+    # mode max: accuracy's plateau
+    acc = [{"step": x["step"], "validation/accuracy": 1 - x["validation/error"]} for x in h]
+    assert first_best_step(acc, "validation/accuracy", "max") == 100
+    # no log: the row's best step
+    assert reached_best_step(r, [], "validation/error", "min") == 160
+
+
+def test_best_step_position_judges_where_the_best_value_was_first_reached():
+    v = best_step_position("explore-0003", 160, 160, reached_step=100)
+    assert (v.severity, v.facts["position"], v.facts["best_step"], v.facts["reached_step"]) == (
+        "ok", "middle", 160, 100,
+    )  # fmt: skip
+    assert v.facts["fraction"] == 0.625
+    assert v.message == (
+        "The best checkpoint of explore-0003 is at step 160 of 160, its best value first reached at step "
+        "100 (62.5% of training), neither in the first 10% nor in the last 25%."
+    )
+    late = best_step_position("explore-0003", 160, 160, reached_step=160)
+    assert late.facts["position"] == "late" and late.message == (
+        "The best checkpoint of explore-0003 is at step 160 of 160, in the last 25% of training: train "
+        "longer and retune the decay."
+    )
+    with pytest.raises(ValueError, match="reached_step"):
+        best_step_position("t", 100, 160, reached_step=120)
+
+
+def test_the_round_verdicts_judge_a_plateau_where_it_began():
+    """study_verdicts with the steps where each trial first reached its best: the plateau's
+    trial is not late (step 100 of 160), the one that improved at its last step is."""
+    rows = [
+        row("explore-0000", metric=10 / 270, best_step=160, max_train_steps=160),
+        row("explore-0001", metric=11 / 270, best_step=160, max_train_steps=160),
+    ]
+    logs = {"explore-0000": error_log(PLATEAU), "explore-0001": error_log([135, 54, 27, 14, 13, 12, 12, 11])}
+    reached = reached_best_steps(rows, logs, "validation/error", "min")
+    assert reached == {"explore-0000": 100, "explore-0001": 160}
+    position, spread = study_verdicts(rows, {}, "min", reached=reached)[:2]
+    assert (position.subject, position.facts["position"], position.is_warning) == (
+        "explore-0000",
+        "middle",
+        False,
+    )
+    assert (spread.facts["late"], spread.facts["top_late"], spread.facts["early"]) == (1, 0, 0)
+    assert not spread.is_warning  # 1 of 2 late is not most; the top quarter (explore-0000) is not late
+    # without the logs, the checkpoints are read: both late
+    position, spread = study_verdicts(rows, {}, "min")[:2]
+    assert position.facts["position"] == "late" and spread.facts["late"] == 2 and spread.is_warning
 
 
 # ----------------------------------------------------------------------------- boundary
@@ -351,6 +423,28 @@ def test_infeasible_region_all_diverged_and_skipped_dimensions():
     (v,) = infeasible_region(rows, space)
     assert v.subject == "learning_rate" and v.severity == "warning" and v.facts["side"] == "all"
     assert v.facts["num_diverged"] == 2
+
+
+def test_infeasible_region_counts_one_trial_as_one():
+    (v,) = infeasible_region([row("t0", metric=0.1, learning_rate=0.1)], {"learning_rate": LR_LOG})
+    assert v.message == "The one trial did not diverge along learning_rate."
+    (v,) = infeasible_region(
+        [row("t0", metric=0.1, learning_rate=0.1), row("t1", metric=0.2, learning_rate=0.2)],
+        {"learning_rate": LR_LOG},
+    )
+    assert v.message == "None of the 2 trials diverged along learning_rate."
+    scattered = [row("t0", status="DIVERGED", learning_rate=0.1), row("t1", metric=0.2, learning_rate=0.05)]
+    scattered.append(row("t2", metric=0.2, learning_rate=0.2))
+    (v,) = infeasible_region(scattered, {"learning_rate": LR_LOG})
+    assert v.message.startswith("1 of 3 trials diverged, but there is no value of learning_rate")
+
+
+def test_the_best_step_distribution_of_one_trial_speaks_of_one():
+    (_, spread) = study_verdicts([row("t0", metric=0.1, best_step=500)], {}, "min")[:2]
+    assert spread.message.startswith(
+        "Best checkpoint of the 1 trial: 0 (0%) in the first 10% of training, 0 (0%) in the last 25%; of "
+        "the top quarter (1 trial by metric): 0 early, 0 late."
+    )
 
 
 # ----------------------------------------------------------------------------- enough trials
