@@ -10,6 +10,7 @@ import os
 import pytest
 
 from service.study import spec
+from tests.helpers.simulated_cluster import simulated_cluster
 from tests.helpers.studies import run_within_timeout
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -19,19 +20,11 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "studies", "digits
 @pytest.fixture(scope="module")
 def two_hosts_of_two_cpus():
     import ray
-    from ray.cluster_utils import Cluster
 
     from service.orchestration.coordinator import NAMESPACE
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, namespace=NAMESPACE)
-    try:
+    with simulated_cluster([{"num_cpus": 2}] * 2, namespace=NAMESPACE):
         yield ray
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def documented_example(digits_dir, storage, **scaling) -> spec.Study:

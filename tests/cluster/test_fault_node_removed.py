@@ -16,6 +16,7 @@ from service.distributed import checkpoint
 from service.planning.trial import TrialPlan
 from service.trainer.loop import TIMING_FIELDS
 from tests.helpers.netns_cluster import HEALTH_CHECK
+from tests.helpers.simulated_cluster import simulated_cluster
 from tests.helpers.studies import make_study
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -25,21 +26,11 @@ DROP = TIMING_FIELDS
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    # A head without CPUs (the driver and Ray Train's controller need none) and two 1-CPU hosts;
-    # Ray's failure detection as on the namespace clusters (netns_cluster.HEALTH_CHECK): the
-    # removed host is declared dead after 3 missed checks 1 s apart, not Ray's 5 x 3 s.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH_CHECK})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address)
-    try:
+    # Two 1-CPU hosts; Ray's failure detection as on the namespace clusters
+    # (netns_cluster.HEALTH_CHECK): the removed host is declared dead after 3 missed checks 1 s
+    # apart, not Ray's 5 x 3 s.
+    with simulated_cluster([{"num_cpus": 1}] * 2, head={"_system_config": HEALTH_CHECK}) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def plan_in(digits_dir, storage) -> TrialPlan:

@@ -12,6 +12,7 @@ import pytest
 
 from service.data.files import list_files
 from service.planning.trial import TrialPlan
+from tests.helpers.simulated_cluster import simulated_cluster
 from tests.helpers.studies import make_study, same_nested
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -27,21 +28,11 @@ def one_trial(study, steps: int) -> TrialPlan:
 
 @pytest.fixture(scope="module")
 def three_node_cluster(tmp_path_factory):
-    import ray
-    from ray.cluster_utils import Cluster
-
     audit = tmp_path_factory.mktemp("audit")
-    # A head without CPUs (the driver and Ray Train's controller need none) and three 2-CPU
-    # "hosts": 3 x 1 workers spread one per host, 2 x 2 workers pack two per host.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(NUM_HOSTS):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PLAYBOOK_STORAGE_AUDIT": str(audit)}})
-    try:
+    # Three 2-CPU "hosts": 3 x 1 workers spread one per host, 2 x 2 workers pack two per host.
+    env = {"env_vars": {"PLAYBOOK_STORAGE_AUDIT": str(audit)}}
+    with simulated_cluster([{"num_cpus": 2}] * NUM_HOSTS, runtime_env=env) as cluster:
         yield cluster, audit
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def run_once(audit, digits_dir, storage) -> tuple[TrialPlan, dict, dict]:

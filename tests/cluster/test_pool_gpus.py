@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from service.study.training import Scaling
+from tests.helpers.simulated_cluster import simulated_cluster
 
 pytestmark = pytest.mark.timeout(300)
 GPUS_PER_NODE = 3  # the trial takes 2 of each node's 3: not simply the first ones
@@ -21,17 +22,9 @@ GPUS_PER_NODE = 3  # the trial takes 2 of each node's 3: not simply the first on
 @pytest.fixture(scope="module")
 def gpu_cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=GPUS_PER_NODE)
-    ray.init(address=cluster.address)
-    try:
+    with simulated_cluster([{"num_cpus": 2, "num_gpus": GPUS_PER_NODE}] * 2):
         yield ray
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def shared_by_a_pool(ray, scaling: Scaling, taken: dict):
