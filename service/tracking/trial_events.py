@@ -57,9 +57,6 @@ class TrialEvents:
         if self.mirror:
             self.mirror.report(name, result)
         self.table.update(name, status=TrialStatus.RUNNING, step=step, metric=result.get(self.metric))
-        # Stored as it goes (coalesced): `playbook status` without a coordinator, and a rerun
-        # after the study stopped ("resumed ... step S/N reached before"), read this step.
-        self.table.save_soon()
         self.console.progress(
             name,
             round=trial.get("round"),
