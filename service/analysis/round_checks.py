@@ -13,7 +13,7 @@ prints before anything runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from service.analysis.eval_noise import RATE_METRICS, eval_noise, rate_standard_error, standard_error
@@ -25,7 +25,7 @@ from service.analysis.verdicts import (
     early_is_visible,
     make_verdict,
     percent,
-    reached_best_steps,
+    reached_best_step,
     study_verdicts,
 )
 from service.core.ranking import ranked_results
@@ -48,7 +48,7 @@ def verdicts_for_round(
     a single point). Compute-bound studies also get the budget verdict.
 
     The best-step checks judge each finished trial at the step where it first reached its best
-    value (`verdicts.reached_best_steps`), from its metrics log: `histories` by trial name, or
+    value (`reached_best_steps`), from its metrics log: `histories` by trial name, or
     (None) read from storage (`metrics_logs`)."""
     mine = [r for r in rows if r.get("round") == round_name]
     rnd = next(r for r in study.rounds if r.name == round_name)
@@ -68,6 +68,23 @@ def verdicts_for_round(
     if compute_bound:
         verdicts.append(budget_spent(study, round_name, rows))
     return verdicts
+
+
+def reached_best_steps(
+    rows: Iterable[Mapping[str, Any]],
+    histories: Mapping[str, Iterable[Mapping[str, Any]]],
+    metric: str,
+    mode: str,
+) -> dict[str, int]:
+    """`reached_best_step` of each row that has a metrics log in `histories`, by trial name."""
+    out = {}
+    for r in rows:
+        name = str(r.get("trial_name"))
+        if histories.get(name):
+            step = reached_best_step(r, histories[name], metric, mode)
+            if step is not None:
+                out[name] = step
+    return out
 
 
 def metrics_logs(study: Study, rows: list[dict]) -> dict[str, list[dict]]:

@@ -7,8 +7,9 @@ A verdict carries one plain English sentence with the numbers (`message`) and th
 as structured `data`.
 
 This module holds the `Verdict` type, the public helpers the checks share (`make_verdict`,
-`as_number`, `range_position`, `numeric_choices`, and `trial_count` and `percent` for the
-messages), the `best_step_position` check and `study_verdicts`, which runs every check.
+`as_number`, `range_position`, `numeric_choices`, and `percent` for the messages; a count
+of trials is `core.formatting.trial_count`), the `best_step_position` check and
+`study_verdicts`, which runs every check.
 The other checks live one practice per module:
 
 * `best_step_position` (here) -- "Never tune the max_train_steps number in a study ... plot the
@@ -41,7 +42,7 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from service.core.formatting import fmt, trial_count
-from service.core.ranking import best_row, is_finite, ranked_results
+from service.core.ranking import first_best_step, ranked_results
 from service.study.search import HParam
 
 Severity = Literal["ok", "warning"]
@@ -131,17 +132,6 @@ def percent(x: float) -> str:
 # ----------------------------------------------------------------------------- best step
 
 
-def first_best_step(history: Iterable[Mapping[str, Any]], metric: str, mode: str) -> int | None:
-    """The first step at which a trial's `metric` reached its best finite value in `history`
-    (its evaluations): where the best was reached. The best checkpoint (`ranking.best_row`) is
-    the latest evaluation at that value, later on a plateau. None without a finite value."""
-    history = list(history)
-    best = best_row(history, metric, mode)
-    if best is None:
-        return None
-    return min(int(r["step"]) for r in history if is_finite(r.get(metric)) and r[metric] == best[metric])
-
-
 def reached_best_step(
     row: Mapping[str, Any], history: Iterable[Mapping[str, Any]], metric: str, mode: str
 ) -> int | None:
@@ -155,23 +145,6 @@ def reached_best_step(
     if first is not None and (step is None or first <= step):
         return first
     return None if step is None else int(step)
-
-
-def reached_best_steps(
-    rows: Iterable[Mapping[str, Any]],
-    histories: Mapping[str, Iterable[Mapping[str, Any]]],
-    metric: str,
-    mode: str,
-) -> dict[str, int]:
-    """`reached_best_step` of each row that has a metrics log in `histories`, by trial name."""
-    out = {}
-    for r in rows:
-        name = str(r.get("trial_name"))
-        if histories.get(name):
-            step = reached_best_step(r, histories[name], metric, mode)
-            if step is not None:
-                out[name] = step
-    return out
 
 
 def judged_step(row: Mapping[str, Any], reached: Mapping[str, int] | None) -> Any:
@@ -313,11 +286,7 @@ def best_step_distribution(
         _places(ranked, reached),
         _places(ranked[: math.ceil(len(ranked) / 4)], reached),
     )
-    text = (
-        f"Best checkpoint{'s' if n > 1 else ''} of the {trial_count(n)}: {early} ({percent(early / n)}) in "
-        f"the first 10% of training, {late} ({percent(late / n)}) in the last 25%; of the top quarter "
-        f"({trial_count(k)} by metric): {top_early} early, {top_late} late."
-    )
+    text = _distribution_text(n, early, late, k, top_early, top_late)
     blind = _first_blind(ranked, eval_every_steps)
     if blind is not None:
         text += _blind_note(eval_every_steps, int(blind["max_train_steps"]))
@@ -339,6 +308,14 @@ def best_step_distribution(
         top_late=top_late,
         early_visible=blind is None,
         compute_bound=compute_bound,
+    )
+
+
+def _distribution_text(n: int, early: int, late: int, k: int, top_early: int, top_late: int) -> str:
+    return (
+        f"Best checkpoint{'s' if n > 1 else ''} of the {trial_count(n)}: {early} ({percent(early / n)}) in "
+        f"the first 10% of training, {late} ({percent(late / n)}) in the last 25%; of the top quarter "
+        f"({trial_count(k)} by metric): {top_early} early, {top_late} late."
     )
 
 

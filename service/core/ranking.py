@@ -56,6 +56,17 @@ def best_row(history: Iterable[Mapping], metric: str, mode: str) -> Any:
     return min(rows, key=lambda r: rank(r[metric], r["step"], mode), default=None)
 
 
+def first_best_step(history: Iterable[Mapping[str, Any]], metric: str, mode: str) -> int | None:
+    """The first step at which a trial's `metric` reached its best finite value in `history`
+    (its evaluations): where the best was reached. The best checkpoint (`best_row`) is
+    the latest evaluation at that value, later on a plateau. None without a finite value."""
+    history = list(history)
+    best = best_row(history, metric, mode)
+    if best is None:
+        return None
+    return min(int(r["step"]) for r in history if is_finite(r.get(metric)) and r[metric] == best[metric])
+
+
 def trial_key(row: Mapping, mode: str) -> tuple:
     """Where a trial row ranks by its `best_metric`; on a tie the earlier trial name first, so
     the order does not depend on the order of the rows."""

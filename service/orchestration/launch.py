@@ -14,10 +14,9 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
 from service.analysis.input_bound import trial_input_row
-from service.analysis.verdicts import first_best_step
 from service.core import storage
 from service.core.errors import CheckpointError, DataError, SpecError, StorageError, StorageFull
-from service.core.ranking import best_row, worst
+from service.core.ranking import best_row, first_best_step, worst
 from service.core.trial_status import TrialStatus
 from service.distributed import checkpoint, fence
 from service.distributed.checkpoint import TrialState

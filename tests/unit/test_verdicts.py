@@ -8,19 +8,18 @@ import math
 import pytest
 
 from service.analysis.enough_trials import enough_trials
+from service.analysis.round_checks import reached_best_steps
 from service.analysis.scientific import best_per_scientific, summary_sentence
 from service.analysis.search_space import boundary, infeasible_region
 from service.analysis.verdicts import (
     Verdict,
     best_step_position,
-    first_best_step,
     range_position,
     reached_best_step,
-    reached_best_steps,
     study_verdicts,
 )
 from service.core import ranking
-from service.core.ranking import ranked_results
+from service.core.ranking import first_best_step, ranked_results
 from service.study.search import HParam
 
 LR_LOG = HParam(role="nuisance", type="float", min=1e-4, max=1.0, scale="log")
