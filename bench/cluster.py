@@ -1,7 +1,7 @@
 """cluster: the two measurements of issue 11 that need Ray (informational: no goal given).
 
 * study: a real quasi-random round of `STUDY_TRIALS` tiny one-worker trials (digits, the fast
-  path) through `coordinator.run_study` on a local 2-CPU cluster, concurrency = cores. Wall time,
+  path) through `study_run.run_study` on a local 2-CPU cluster, concurrency = cores. Wall time,
   trials/s, the fixed cost per trial (wall x concurrency / trials - the trial's own step loop,
   from its metrics log), and the coordinator's share: the CPU time of its actor process (which
   also runs Tune's driver loop), read from /proc.
@@ -222,7 +222,7 @@ def tune_run_cpu(samples: list[dict]) -> tuple[float, int]:
 def measure_study(tmp: str) -> dict:
     import ray
 
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     data = f"{tmp}/data"
     study = study_spec(data, f"{tmp}/studies", "bench-cluster", STUDY_TRIALS, STUDY_STEPS)

@@ -86,10 +86,12 @@ def ray_train_trial(config: dict, study) -> None:
     """The service's trial as it ran before the fast path: one TorchTrainer.fit per trial."""
     import ray.tune
 
-    from service.orchestration import launch
+    from service.orchestration import launch, trial_summary
 
     plan = launch.TrialPlan(study, config["trial_name"], "r", dict(HPARAMS), STEPS)
-    ray.tune.report({**launch.summarize(plan, launch.trainer_for(plan, in_tune=True).fit()), "summary": True})
+    ray.tune.report(
+        {**trial_summary.summarize(plan, launch.trainer_for(plan, in_tune=True).fit()), "summary": True}
+    )
 
 
 def service_study(data_dir: str, storage: str, name: str = "bench-trial", scaling: dict | None = None):

@@ -1,5 +1,5 @@
 """two_host_round (issue 39): a round of two-host x one-worker trials at scale, through the real
-path (`coordinator.run_study`: the coordinator, TuneRun actors, pooled trials whose world rank 1
+path (`study_run.run_study`: the coordinator, TuneRun actors, pooled trials whose world rank 1
 is a `PoolWorker` reused trial after trial), on a simulated cluster (`ray.cluster_utils.Cluster`:
 a head with no CPUs, `NODES` nodes of one CPU each, so `NODES / 2` trials run at once).
 
@@ -177,7 +177,7 @@ def measure(tmp: str, trials: int) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study = study_spec(
         f"{tmp}/data",

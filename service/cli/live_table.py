@@ -1,6 +1,6 @@
 """What `playbook run` shows while its study runs. On a terminal, the study's lines scroll above a
 table of its running trials (trial, round, step/total, metric, best, ETA), redrawn in place as
-the command fetches them (`orchestration.coordinator.follow`); anywhere else (a job log, a pipe)
+the command fetches them (`orchestration.study_run.follow`); anywhere else (a job log, a pipe)
 the lines alone, plain. The table goes when no trial runs, so the command's own last lines
 follow the study's."""
 

@@ -13,7 +13,7 @@ from service.core.errors import SpecError
 def cmd_find_steps(args) -> int:
     from service import workloads
     from service.core import storage
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
     from service.planning import find_steps
     from service.study.checks import check_data, check_storage
     from service.study.stored import check_same_study
@@ -45,7 +45,7 @@ def cmd_find_steps(args) -> int:
 
 def fit_steps(sweep, rows: list[dict], threshold: float) -> dict:
     """Each swept learning rate's first step whose train loss is under the threshold (or None)."""
-    from service.orchestration.launch import read_metrics_log
+    from service.orchestration.trial_summary import read_metrics_log
     from service.planning import find_steps
     from service.planning.trial import TrialPlan
 

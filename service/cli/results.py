@@ -72,7 +72,7 @@ def status_rows(name: str, study_uri: str) -> list[dict]:
 
     live = None
     if os.environ.get("RAY_ADDRESS"):
-        from service.orchestration.coordinator import live_status
+        from service.orchestration.study_run import live_status
 
         connect_ray()
         live = live_status(name)

@@ -36,7 +36,7 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     from service import workloads
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
     from service.planning.plan_size import check_budget
     from service.study.checks import check_data, check_storage
     from service.study.stored import check_same_study

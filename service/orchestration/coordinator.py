@@ -7,17 +7,16 @@ from __future__ import annotations
 import ctypes
 import json
 import math
-import re
 import time
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.analysis.report_lines import log_lines, round_verdicts
-from service.core import stop_signal, storage
-from service.core.errors import PlaybookError, RunStopped, StorageFull, StudyInterrupted
+from service.core import storage
+from service.core.errors import StorageFull
 from service.core.formatting import trial_count
 from service.core.trial_status import DONE, TrialStatus
+from service.orchestration.actor_options import on_this_node
 from service.orchestration.ray_private import remove_orphaned_placement_groups, remove_placement_groups_of
 from service.orchestration.study_metrics import StudyMetrics
 from service.orchestration.tune_run import TuneRun
@@ -29,7 +28,7 @@ from service.study.layout import StudyLayout
 from service.study.search import Round
 from service.study.spec import Study
 from service.tracking import observe
-from service.tracking.console import ConsoleLines, PlainLines
+from service.tracking.console import ConsoleLines
 from service.tracking.progress import ProgressLimiter
 from service.tracking.trial_events import TrialEvents
 from service.tracking.trial_table import TrialTable, read_rows
@@ -41,9 +40,6 @@ NAMESPACE = "playbook"
 # start, an end and a tail, where slots idle while the last trials finish (docs/performance.md).
 MIN_TRIALS_PER_TUNE_RUN = 512
 TUNE_RUN_SLOT_TRIALS = 32
-# How often the command that started a study fetches and prints the coordinator's new lines.
-CONSOLE_POLL_S = 0.5
-STOP_SAVE_S = 15
 # A Tune run whose TuneRun process died is started again (for its trials not done) this often.
 MAX_TUNE_RUN_RESTARTS = 2
 ORPHAN_SWEEP_S = 5.0
@@ -300,22 +296,6 @@ def trials_that_fit(study: Study, resources: dict) -> int:
     return max(1, min(fits, default=1))
 
 
-def cluster_env() -> dict[str, str]:
-    """Merged into the job's runtime env of what the driver starts (a study's coordinator,
-    `playbook eval`'s run), inherited by every process under it: what the storage layer reads
-    (a gs:// emulator, ...), and this cluster's address. Without it Ray Train's placement-group
-    cleaner asks Ray's state API for "the" Ray of its machine, which fails (a traceback in the
-    output) where another Ray runs on the same machine."""
-    return {**storage.forwarded_env(), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-
-
-def on_this_node() -> NodeAffinitySchedulingStrategy:
-    """Placement on the caller's node, which the actor then shares the fate of: the coordinator
-    on the driver's (the head, for `ray job submit`), its Tune runs on the coordinator's. Left to
-    Ray, they could land on any worker host, and losing that host would end the study."""
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
 def _await_sweeping(run: ray.ObjectRef):
     """What a TuneRun's fit returns, removing what dead actors of this job hold meanwhile: a
     trial's process killed while its Ray Train controller starts the worker group leaves that
@@ -329,92 +309,3 @@ def _await_sweeping(run: ray.ObjectRef):
 def tune_runner():
     """A new `TuneRun` actor, on this (the coordinator's) node."""
     return TuneRun.options(scheduling_strategy=on_this_node()).remote()
-
-
-def run_study(study: Study, view=None, settle_metrics: bool = False) -> list[dict]:
-    """Start the study's coordinator on the connected Ray cluster and wait for it, showing what
-    it says to its user on `view` as it goes (`cli.live_table`: `say(line)`, `running(trials)`;
-    default: the lines printed). `settle_metrics`: the coordinator stays until its last metric
-    values are exported (a cluster that Prometheus scrapes outlives the study)."""
-    name = actor_name(study.name)
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        raise PlaybookError(f"study {study.name!r} is already running on this cluster")
-    except ValueError:
-        pass
-    coordinator = Coordinator.options(
-        name=name,
-        namespace=NAMESPACE,
-        runtime_env={"env_vars": cluster_env()},
-        scheduling_strategy=on_this_node(),
-    ).remote(study)
-    try:
-        rows = follow(coordinator, coordinator.run.remote(), view or PlainLines())
-        if settle_metrics:
-            ray.get(coordinator.settle_metrics.remote())
-        return rows
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, PlaybookError):  # bad input: its one line, not Ray's traceback
-            raise e.cause from None
-        raise
-    except ray.exceptions.RayActorError as e:
-        if e.actor_init_failed:
-            raise
-        raise coordinator_died(study, name, e) from None
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`core.stop_signal`)
-        raise stopped(study, coordinator) from None
-    finally:
-        ray.kill(coordinator)
-
-
-def stopped(study: Study, coordinator) -> RunStopped:
-    """The command was stopped (Ctrl-C, SIGTERM): the coordinator saves the study's state as
-    it is, if it still can within STOP_SAVE_S; the one line that says so."""
-    try:
-        ray.get(coordinator.stop.remote(), timeout=STOP_SAVE_S)
-    except Exception:  # its Ray went down with the signal (Ctrl-C reaches the whole terminal)
-        pass
-    how, code = ("stopped by SIGTERM", 143) if stop_signal.by_sigterm() else ("interrupted", 130)
-    return RunStopped(
-        f"{how}; finished trials and checkpoints are kept in {study.study_uri}: run the same command "
-        "again to resume the study",
-        code,
-    )
-
-
-def follow(coordinator, done: ray.ObjectRef, view) -> list[dict]:
-    """Wait for the coordinator's `run` (`done`), showing its lines and running trials on
-    `view` every CONSOLE_POLL_S and once more at the end: the lines of a run that failed are
-    all shown too."""
-    number = 0
-    while True:
-        finished = bool(ray.wait([done], timeout=CONSOLE_POLL_S)[0])
-        try:
-            number, lines, running = ray.get(coordinator.console_lines.remote(number))
-        except ray.exceptions.RayActorError:  # it died: `done` says how
-            lines, running = [], {}
-        view.running({} if finished else running)  # the lines below are shown under it
-        for line in lines:
-            view.say(line)
-        if finished:
-            return ray.get(done)
-
-
-def coordinator_died(study: Study, name: str, error: Exception) -> StudyInterrupted:
-    """The one line for a coordinator that died under the study (its process killed, its node
-    lost): what died, and that a rerun resumes."""
-    pid = re.search(r"\bpid: (\d+)", str(error))
-    return StudyInterrupted(
-        f"the study's coordinator (Ray actor {name}{f', pid {pid.group(1)}' if pid else ''}) died; "
-        f"finished trials and checkpoints are kept in {study.study_uri}: run the same command again "
-        "to resume the study"
-    )
-
-
-def live_status(study_name: str) -> dict | None:
-    """Ask the running coordinator, if there is one on the connected cluster."""
-    try:
-        actor = ray.get_actor(actor_name(study_name), namespace=NAMESPACE)
-    except ValueError:
-        return None
-    return ray.get(actor.status.remote(), timeout=30)

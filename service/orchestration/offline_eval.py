@@ -36,10 +36,10 @@ def run_offline_eval(checkpoint_uri: str, split: str, study: Study, num_workers:
     """`playbook eval`: the checkpoint on the whole split, over the study's worker layout or
     over `num_workers` workers on any hosts (a sharded checkpoint is resharded over them). The
     Ray Train run is started from a task on this node that has this cluster's address
-    (`coordinator.cluster_env`), as a study's coordinator does."""
+    (`actor_options.cluster_env`), as a study's coordinator does."""
     import ray
 
-    from service.orchestration.coordinator import cluster_env, on_this_node
+    from service.orchestration.actor_options import cluster_env, on_this_node
 
     fit = ray.remote(num_cpus=0)(fit_eval).options(
         runtime_env={"env_vars": cluster_env()}, scheduling_strategy=on_this_node(), max_retries=0

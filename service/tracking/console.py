@@ -1,7 +1,7 @@
 """The lines a study says to its user (a trial started, evaluated, finished, diverged, failed or
 resumed; a round planned; a round's verdicts) and where its running trials are, kept in the
 coordinator for the command that started the study to fetch and show
-(`orchestration.coordinator.run_study`, `cli.live_table`). Printed by the
+(`orchestration.study_run.run_study`, `cli.live_table`). Printed by the
 coordinator itself, each would reach that command through Ray's log forwarding: prefixed with
 "(Coordinator pid=N)", coloured, and late, after the command's own last lines."""
 

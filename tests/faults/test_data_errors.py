@@ -82,7 +82,7 @@ def test_the_loader_names_the_file_column_and_row_of_a_bad_value(digits_dir, tmp
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", TRIAL_LAYOUTS)
 def test_a_data_error_fails_the_trial_at_once(ray_cluster, digits_dir, tmp_path, layout):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     data = copy_splits(digits_dir, tmp_path / "data", lambda t: as_text(t, BAD_ROW), as_text)
     attempts = tmp_path / "attempts"
@@ -157,7 +157,7 @@ def test_a_column_type_that_is_no_kind_is_refused_by_validate(digits_dir, tmp_pa
 def test_another_failure_is_retried_and_its_error_kept_in_storage(ray_cluster, digits_dir, tmp_path):
     """Not a data error: Tune retries the trial (MAX_TRIAL_RESTARTS), then the row holds the
     error's last line (not a path in Ray's session folder) and error.txt the whole of it."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
     from service.orchestration.tune_fit import MAX_TRIAL_RESTARTS
 
     data = copy_splits(digits_dir, tmp_path / "data", as_text, as_text)

@@ -53,7 +53,7 @@ def study_raw(digits_dir, storage) -> dict:
 @pytest.fixture(scope="module")
 def baseline(ray_cluster, digits_dir, tmp_path_factory):
     """The same study, uninterrupted, on the session cluster."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study = spec.load_dict(study_raw(digits_dir, tmp_path_factory.mktemp("baseline")))
     t0 = time.time()
@@ -228,7 +228,7 @@ def alive_actor_pids(class_name: str) -> list[int]:
 def tune_run_killed(baseline, digits_dir, tmp_path_factory):
     """The study on the session cluster; its TuneRun process SIGKILLed at the moment the driver
     is killed above (the first two trials over, the last one mid-run with a checkpoint)."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study = spec.load_dict(study_raw(digits_dir, tmp_path_factory.mktemp("tunerun")))
     out: dict = {}
@@ -288,7 +288,7 @@ def test_a_killed_tune_run_is_started_again_and_ends_as_the_uninterrupted_run(tu
 def test_a_torn_latest_checkpoint_on_ray_storage_is_skipped(baseline, tmp_path):
     """Ray's latest registered checkpoint damaged on storage (its manifest gone, state.pt cut):
     the rerun of the Train run resumes from the newest committed one and ends the same."""
-    from service.orchestration import launch
+    from service.orchestration import launch, trial_summary
 
     study = spec.load_dict(study_raw_for(baseline, tmp_path))
     plan = TrialPlan(study, TRIALS[0], "explore", {"learning_rate": 0.05, "momentum": 0.9, "width": 4}, STEPS)
@@ -306,7 +306,7 @@ def test_a_torn_latest_checkpoint_on_ray_storage_is_skipped(baseline, tmp_path):
     want = checkpoint.load(committed(baseline.study_uri, TRIALS[0])[STEPS])
     for key in want.model:
         assert torch.equal(final.model[key], want.model[key]), key
-    summary = launch.summarize(plan, result)
+    summary = trial_summary.summarize(plan, result)
     assert summary["best_checkpoint"] != latest and checkpoint.is_complete(summary["best_checkpoint"])
 
 

@@ -83,7 +83,7 @@ def latest_state(study, trial: str):
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
     """The same study run without a kill, once for both cases: (study, its rows by trial)."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     reference = study_in(digits_dir, tmp_path_factory.mktemp("reference"))
     return reference, {r["trial_name"]: r for r in run_study(reference)}
@@ -128,7 +128,7 @@ def assert_same_trial(study, reference, trial: str, row: dict, ref_row: dict) ->
 
 @pytest.mark.parametrize("rank", [1, 0], ids=["pool-actor", "trial-process"])
 def test_a_killed_pool_rank_restarts_only_its_own_trial(uninterrupted, digits_dir, tmp_path, rank):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     reference, ref_rows = uninterrupted
     study = study_in(digits_dir, tmp_path / "killed")

@@ -68,7 +68,7 @@ def logged_its_checkpoint(study) -> bool:
 
 
 def test_killed_trial_process_resumes_to_the_same_result(ray_cluster, digits_dir, tmp_path):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     # The uninterrupted reference runs beside the killed study (one CPU each, on its own name).
     reference = study_in(digits_dir, tmp_path / "reference", name="fast-faults-reference")

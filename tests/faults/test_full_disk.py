@@ -150,7 +150,7 @@ def uninterrupted(ray_cluster, digits_dir, tmp_path_factory):
     """The study's outcome without a full disk, by number of workers, each run once: the
     two-worker layouts share one, run on the pool, as a trial trains the same on a pool and as a
     Ray Train run (tests/ray/test_worker_pool.py)."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     outcomes = {}
 

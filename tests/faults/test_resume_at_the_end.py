@@ -38,7 +38,7 @@ def rows_of(study: spec.Study) -> dict[str, dict]:
 
 
 def test_a_trial_resumed_at_its_end_keeps_its_last_metric(ray_cluster, digits_dir, tmp_path):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     reference = study_of(digits_dir, tmp_path / "reference")
     run_study(reference)

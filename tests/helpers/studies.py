@@ -110,7 +110,7 @@ STUDY_TIMEOUT_S = 420  # a hang (a worker group that never starts) fails the tes
 def run_within_timeout(study) -> list[dict]:
     """The study's trial rows, run on the connected Ray; a study still running after
     STUDY_TIMEOUT_S fails the test."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(rows=run_study(study)), daemon=True)

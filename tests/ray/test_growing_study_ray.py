@@ -187,8 +187,9 @@ def interrupted_study(digits_dir, storage, rounds) -> spec.Study:
 def test_a_study_interrupted_in_an_appended_round_finishes_it_on_a_rerun(ray_cluster, digits_dir, tmp_path):
     """The coordinator is killed (as when its driver dies) once the appended round's first trial
     is over and its second has a checkpoint; the rerun trains only what is left."""
-    from service.orchestration.coordinator import actor_name, run_study
+    from service.orchestration.coordinator import actor_name
     from service.orchestration.ray_private import remove_orphaned_placement_groups
+    from service.orchestration.study_run import run_study
 
     first = [{"name": "explore", "num_trials": 1}]
     run_study(interrupted_study(digits_dir, tmp_path, first))

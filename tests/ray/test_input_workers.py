@@ -146,7 +146,7 @@ def test_worker_processes_inside_a_ray_trial(ray_cluster, digits_dir, tmp_path):
     Ray worker process whose main module is Ray's): worker processes start there too, and the
     trial logs what the in-process loop with the thread loader logs (the same trial config, on
     one thread as a fast-path trial of one CPU)."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
     from service.planning.rounds import plan_round
     from tests.helpers.studies import study_dict
 

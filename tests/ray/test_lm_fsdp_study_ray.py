@@ -42,8 +42,8 @@ def tiny_study(data_dir, storage_dir) -> spec.Study:
 
 
 def test_an_fsdp_study_keeps_sharded_checkpoints_that_evaluate_on_one_worker(ray_cluster, tmp_path):
-    from service.orchestration.coordinator import run_study
     from service.orchestration.offline_eval import run_offline_eval
+    from service.orchestration.study_run import run_study
 
     text.write_text(str(tmp_path / "data"), 16_000, SEQ_LEN)
     study = tiny_study(tmp_path / "data", tmp_path / "studies")

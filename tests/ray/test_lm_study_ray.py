@@ -42,7 +42,7 @@ def tiny_study(data_dir, storage) -> spec.Study:
 
 @pytest.fixture(scope="module")
 def finished(ray_cluster, tmp_path_factory):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     root = tmp_path_factory.mktemp("lm")
     text.write_text(str(root / "data"), 16_000, SEQ_LEN)

@@ -24,7 +24,7 @@ STEPS, EVERY = 40, 20
 
 @pytest.fixture(scope="module")
 def chain(ray_cluster, digits_dir, tmp_path_factory):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     storage = tmp_path_factory.mktemp("storage")
     training = {"max_train_steps": STEPS, "eval_every_steps": EVERY, "num_checkpoints_to_keep": 1}

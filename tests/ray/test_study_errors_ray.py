@@ -10,7 +10,7 @@ from tests.helpers.studies import make_study
 
 
 def test_an_extend_round_after_a_round_that_only_diverged_is_one_line(ray_cluster, digits_dir, tmp_path):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study = make_study(
         digits_dir,

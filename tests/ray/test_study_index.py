@@ -153,7 +153,7 @@ def test_two_real_studies_at_once_from_one_driver(ray_cluster, digits_dir, tmp_p
     and best metric of its own trial table."""
     import threading
 
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
     from service.study import spec
     from tests.helpers.studies import study_dict
 

@@ -23,7 +23,7 @@ MAX_STEPS, EVERY, KEEP = 100, 20, 2
 
 @pytest.fixture(scope="module")
 def finished_study(ray_cluster, digits_dir, tmp_path_factory):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     storage = tmp_path_factory.mktemp("storage")
     study = make_study(
@@ -147,7 +147,7 @@ def test_status_of_a_path_that_is_no_study_folder_says_so(finished_study, tmp_pa
 
 
 def test_rerunning_a_finished_study_trains_nothing_again(finished_study):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study, explore, exploit = finished_study
     rows = explore + exploit
@@ -166,7 +166,7 @@ def test_the_trial_table_not_tunes_state_says_which_trials_are_done(finished_stu
     trial starts again (every start rewrites the trial's topology.json)."""
     import shutil
 
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study, explore, exploit = finished_study
     names = [r["trial_name"] for r in explore + exploit]
@@ -282,7 +282,7 @@ def test_a_round_runs_as_tune_runs_of_at_most_trials_per_tune_run(ray_cluster, d
     as consecutive Tune runs of at most `trials_per_tune_run` trials: 3 trials by 2 are 2 Tune
     runs (Tune names a run's trial folders `<trainable>_<run id>_<index>`), the round's table
     is whole, and Tune keeps no per-trial log writers."""
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study = make_study(
         digits_dir,

@@ -20,7 +20,7 @@ T1 = 10  # round 1; rounds 2 and 3 double it: 20, 40
 
 @pytest.fixture(scope="module")
 def three_rounds(ray_cluster, digits_dir, tmp_path_factory):
-    from service.orchestration.coordinator import run_study
+    from service.orchestration.study_run import run_study
 
     study = make_study(
         digits_dir,
