@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service.analysis.curves import KINDS, NAMES_SHOWN, best_step, trial_curves, trial_verdicts
+from service.analysis.eval_noise import RATE_METRICS
 from service.analysis.optimization import clip_threshold
 from service.analysis.verdicts import OK, WARNING, Verdict, make_verdict, percent, step_position
 from service.core.formatting import trial_count
@@ -42,7 +43,8 @@ def round_verdicts(
             out.append(_kind_summary(kind, hits, len(judged), ranked[0] if ranked else None))
     if not out:
         late = [n for n in judged if _best_is_late(by_name[n], histories.get(n, []), metric, mode)]
-        out.append(_all_clear(len(judged), late, ranked[0] if ranked else None, th))
+        rate = metric.rpartition("/")[2] in RATE_METRICS  # its evaluation's noise is known
+        out.append(_all_clear(len(judged), late, ranked[0] if ranked else None, th, rate))
     best_clip = next((v for v in found.get(ranked[0], []) if v.kind == "clipping"), None) if ranked else None
     if best_clip is not None:
         out.append(clip_threshold(best_clip))
@@ -83,7 +85,7 @@ def _best_is_late(
     return bool(t.metric.values) and step_position(best_step(t), t.max_train_steps) == "late"
 
 
-def _all_clear(judged: int, late: list[str], best: str | None, th: Curves) -> Verdict:
+def _all_clear(judged: int, late: list[str], best: str | None, th: Curves, rate: bool) -> Verdict:
     """No curve warned. A trial whose best value was first reached in the last 25% gained too
     little there for `still_improving`: said so, not "no late improvement" beside
     `best_step_position`'s "train longer" for it. (A best value reached before the last 25% and
@@ -102,6 +104,7 @@ def _all_clear(judged: int, late: list[str], best: str | None, th: Curves) -> Ve
     shown = ", ".join(f"{n} (the best trial)" if n == best else n for n in late[:NAMES_SHOWN])
     more = f" and {len(late) - NAMES_SHOWN} more" if len(late) > NAMES_SHOWN else ""
     curve = "their curves" if len(late) > 1 else "its curve"
+    noise = " or no more than the evaluation's noise" if rate else ""
     return make_verdict(
         "training_curves",
         "study",
@@ -109,7 +112,7 @@ def _all_clear(judged: int, late: list[str], best: str | None, th: Curves) -> Ve
         f"The training curves of the {trial_count(judged)} show no overfitting, late noise, {rest}. The best "
         f"checkpoint of {shown}{more} is in the last 25% of training, where {curve} "
         f"gained less than the still-improving threshold ({percent(th.still_improving)} of the whole "
-        f"improvement over the last {percent(th.tail_fraction)}): best_step_position's "
+        f"improvement over the last {percent(th.tail_fraction)}){noise}: best_step_position's "
         '"train longer" stands.',
         num_trials=judged,
         late_best=tuple(late),

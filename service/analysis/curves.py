@@ -280,7 +280,9 @@ def late_noise(t: TrialCurves, th: Curves) -> Verdict | None:
 
 def still_improving(t: TrialCurves, th: Curves) -> Verdict | None:
     """The metric's best over the tail beats its best before the tail by more than
-    `still_improving` of its whole improvement."""
+    `still_improving` of its whole improvement and, where the evaluation's noise is known
+    (`metric_noise`), by more than that noise: a gain the evaluation cannot tell from noise is
+    no reason to train longer."""
     m = t.metric
     before, tail = t.tail(th, m)
     if not before or not tail or m.improvement <= 0:
@@ -288,7 +290,8 @@ def still_improving(t: TrialCurves, th: Curves) -> Verdict | None:
     i = before[int(np.argmin(m.losses[before]))]
     j = tail[int(np.argmin(m.losses[tail]))]
     gain = float(m.losses[i] - m.losses[j])
-    if gain <= th.still_improving * m.improvement:
+    noise = metric_noise(t)
+    if gain <= th.still_improving * m.improvement or (noise is not None and gain <= noise[0]):
         return None
     return make_verdict(
         "still_improving",

@@ -177,6 +177,21 @@ def test_a_curve_still_improving_says_train_longer():
     assert "late_noise" not in found and "saturated_early" not in found
 
 
+def test_a_late_gain_within_the_evaluations_noise_is_not_still_improving():
+    """Errors of 270 examples: best 30 before the last 25% (step 60), 28 in it (step 90): a gain
+    of 2 examples (0.0074), over 5% of the improvement of 32 (1.6 examples), but within the
+    noise at the best, sqrt(28/270 x 242/270 / 270) = 0.01855 (5 examples). The same fractions
+    of 27,000 examples (noise 0.001855): still improving."""
+    errors, train = [60, 50, 40, 35, 32, 30, 30, 30, 28, 30], FALLING
+    small = rate_history(errors, 270, train, STEPS)
+    t = curves.trial_curves(row(), small, "validation/error", "min")
+    assert curves.metric_noise(t)[0] == pytest.approx((28 / 270 * 242 / 270 / 270) ** 0.5)
+    assert "still_improving" not in verdicts(small, metric="validation/error")
+    big = rate_history([100 * e for e in errors], 27000, train, STEPS)
+    f = verdicts(big, metric="validation/error")["still_improving"].facts
+    assert (f["before_step"], f["tail_step"]) == (60, 90) and f["tail_share"] == pytest.approx(2 / 32)
+
+
 def test_a_flat_tail_is_not_still_improving():
     flat = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3, 0.3]
     assert "still_improving" not in verdicts(history(flat, FALLING))
@@ -284,7 +299,7 @@ def test_a_round_whose_best_checkpoint_is_last_is_not_said_to_have_no_late_impro
     assert v.message.endswith(
         "The best checkpoint of explore-0004 (the best trial) is in the last 25% of training, where its "
         "curve gained less than the still-improving threshold (5% of the whole improvement over the "
-        'last 25%): best_step_position\'s "train longer" stands.'
+        "last 25%) or no more than the evaluation's noise: best_step_position's \"train longer\" stands."
     )
     # best 0.2 at step 70 of 100 (not in the last 25%), then within 1.25% of the improvement 0.8
     middle = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.21, 0.205, 0.21]
