@@ -39,6 +39,11 @@ def add_study_commands(sub) -> None:
     c.add_argument("study_file")
     c.add_argument("--storage", help="override the study file's storage URI")
     c.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    c.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="make every check a run makes (study file, data, storage, cluster) and start nothing",
+    )
     c.set_defaults(func=cmd_run)
 
     c = sub.add_parser("validate", help="check a study file; exit 2 with the bad field if wrong")

@@ -8,14 +8,14 @@ import sys
 
 from service.cli.prepare import check_cluster, connect_ray, load_study
 from service.cli.results import print_table
-from service.core.trial_status import TrialStatus
+from service.core.trial_status import DONE, TrialStatus
 from service.study import spec
 
 DEMO_STUDY = "studies/digits-demo.yaml"
 
 
 def cmd_validate(args) -> int:
-    from service.planning.plan_size import check_budget, planned_steps, planned_trials
+    from service.planning.plan_size import check_budget
 
     study = load_study(args.study_file)
     check_budget(study)
@@ -27,11 +27,17 @@ def cmd_validate(args) -> int:
 
     for level, field, message in validate_findings(study):  # on stderr: stdout ends with ok
         print(f"{level}: {field}: {message}", file=sys.stderr)
-    print(
-        f"ok: study {study.name}: {len(study.rounds)} round(s), {planned_trials(study)} trials, "
+    print(f"ok: {plan_text(study)}")
+    return 0
+
+
+def plan_text(study: spec.Study) -> str:
+    from service.planning.plan_size import planned_steps, planned_trials
+
+    return (
+        f"study {study.name}: {len(study.rounds)} round(s), {planned_trials(study)} trials, "
         f"{planned_steps(study)} training steps, {study.scaling.world_size} worker(s) per trial"
     )
-    return 0
 
 
 def cmd_run(args) -> int:
@@ -53,6 +59,8 @@ def cmd_run(args) -> int:
     paths = workloads.import_path(args.study_file)
     dashboard = connect_ray(paths, verbose=args.verbose)
     check_cluster(study)  # before anything is written
+    if args.dry_run:
+        return dry_run(study)
     if dashboard:
         print(f"ray: a local Ray for this run, its dashboard at http://{dashboard}")
     record = provenance.capture(study.study_uri, study.workload, paths)
@@ -75,6 +83,27 @@ def cmd_run(args) -> int:
     return 0
 
 
+def dry_run(study: spec.Study) -> int:
+    """`run --dry-run`, after every check `run` makes before it writes: what a run would do."""
+    import ray
+
+    from service.orchestration.coordinator import trials_that_fit
+    from service.orchestration.study_run import check_not_running
+    from service.planning.plan_size import planned_trials
+    from service.tracking.trial_table import read_rows
+
+    check_not_running(study)
+    done = sum(r.get("status") in DONE for r in read_rows(study.study_uri))
+    print(f"ok: {plan_text(study)}")
+    print(
+        f"dry run: storage {study.study_uri} takes writes; this cluster holds "
+        f"{trials_that_fit(study, ray.cluster_resources())} of its trials at once; a run "
+        + (f"resumes it ({done} of {planned_trials(study)} trials done)" if done else "starts it")
+        + "; nothing was started"
+    )
+    return 0
+
+
 def cmd_demo(args) -> int:
     from service.core import storage
     from service.data.builtin import write_digits
@@ -84,4 +113,6 @@ def cmd_demo(args) -> int:
     if not storage.exists(raw.data.train):
         print(f"writing the digits dataset to {data_root}")
         write_digits(data_root)
-    return cmd_run(argparse.Namespace(study_file=args.study_file, storage=None, verbose=args.verbose))
+    return cmd_run(
+        argparse.Namespace(study_file=args.study_file, storage=None, verbose=args.verbose, dry_run=False)
+    )

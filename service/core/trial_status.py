@@ -22,6 +22,9 @@ class TrialStatus(StrEnum):
     """Stopped at a non-finite loss; it has no result and is not run again."""
     FAILED = "FAILED"
     """Ended by an error (a data error, or Tune's retries used up); a rerun starts it again."""
+    STOPPED = "STOPPED"
+    """Was running when its study stopped (Ctrl-C, SIGTERM, an error that ended the study); a
+    rerun resumes it from its latest checkpoint."""
 
     @property
     def reported(self) -> str:

@@ -105,7 +105,7 @@ class Coordinator:
                 if self.storage_full is not None:  # the next trials would meet it too
                     raise self.storage_full
             except BaseException:
-                self._write_rows(state="stopped")
+                self._stopped()
                 raise
             # A round that was over before this run keeps the verdicts it was given (a study
             # that grows by a round leaves its finished rounds as they were).
@@ -120,11 +120,16 @@ class Coordinator:
         return self.table.snapshot()
 
     def stop(self) -> None:
-        """The command that runs the study was stopped: save the trial table as it is (with the
-        running trials' last steps) and the study's index row as `stopped`, which later writes
-        of this coordinator, about to be ended, leave as they are."""
-        self._write_rows(state="stopped")
+        """The command that runs the study was stopped: save the trial table as it is (the
+        running trials STOPPED at their last steps) and the study's index row as `stopped`,
+        which later events and writes of this coordinator, about to be ended, leave as they are."""
+        self._stopped()
         self.table.on_save = None
+
+    def _stopped(self) -> None:
+        self.state = "stopped"
+        self.events.study_stopped()
+        self._write_rows(state="stopped")
 
     def _write_rows(self, state: str) -> None:
         """The trial table now (a coalesced write still waiting is done here, not after this),
@@ -248,6 +253,8 @@ class Coordinator:
 
     def trial_event(self, kind: str, trial: dict, *args) -> None:
         """A Tune trial event from the running `TuneRun` (started, result, complete, error)."""
+        if self.state == "stopped":  # a trial's last words as its study ends: it stays STOPPED
+            return
         if trial["trial_name"] not in self.table.rows:  # planned by a bayesian round's searcher
             self.table.update(
                 trial["trial_name"],

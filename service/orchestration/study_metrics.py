@@ -27,6 +27,7 @@ DESCRIPTIONS = {
     "trials_finished": "trials of the study that are FINISHED",
     "trials_diverged": "trials of the study that are DIVERGED",
     "trials_failed": "trials of the study that are FAILED",
+    "trials_stopped": "trials of the study that were running when it stopped (STOPPED)",
     "steps_per_s": "training steps per second, summed over running trials",
     "exposed_input_fraction": "mean exposed input fraction of running trials (when reported)",
     "best_metric": "best validation metric so far (over every report)",

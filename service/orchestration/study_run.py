@@ -25,12 +25,8 @@ def run_study(study: Study, view=None, settle_metrics: bool = False) -> list[dic
     it says to its user on `view` as it goes (`cli.live_table`: `say(line)`, `running(trials)`;
     default: the lines printed). `settle_metrics`: the coordinator stays until its last metric
     values are exported (a cluster that Prometheus scrapes outlives the study)."""
+    check_not_running(study)
     name = actor_name(study.name)
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        raise PlaybookError(f"study {study.name!r} is already running on this cluster")
-    except ValueError:
-        pass
     coordinator = Coordinator.options(
         name=name,
         namespace=NAMESPACE,
@@ -54,6 +50,16 @@ def run_study(study: Study, view=None, settle_metrics: bool = False) -> list[dic
         raise stopped(study, coordinator) from None
     finally:
         ray.kill(coordinator)
+
+
+def check_not_running(study: Study) -> None:
+    """Refuse a study whose coordinator runs on the connected cluster (a second run would mix
+    with it)."""
+    try:
+        ray.get_actor(actor_name(study.name), namespace=NAMESPACE)
+    except ValueError:
+        return
+    raise PlaybookError(f"study {study.name!r} is already running on this cluster")
 
 
 def stopped(study: Study, coordinator) -> RunStopped:

@@ -166,6 +166,7 @@ def _counts(rows: list[dict]) -> str:
             TrialStatus.FINISHED,
             TrialStatus.DIVERGED,
             TrialStatus.FAILED,
+            TrialStatus.STOPPED,
             TrialStatus.RUNNING,
             TrialStatus.PENDING,
         )

@@ -24,6 +24,8 @@ from service.tracking import provenance
 # MLflow 3 refuses its file store (file:// URIs, plain paths) unless this is set; the file
 # store is what a team without an MLflow server can use on shared storage.
 FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
+MLFLOW_END = {TrialStatus.FAILED: "FAILED", TrialStatus.STOPPED: "KILLED"}
+"""The MLflow run status a trial's end sets (else FINISHED); a rerun sets RUNNING again."""
 
 
 def best_effort(method):
@@ -97,6 +99,7 @@ class MlflowMirror:
                 )
                 if found:  # a resumed study keeps mirroring into the trial's earlier run
                     self._runs[name] = found[0].info.run_id
+                    self.client.update_run(found[0].info.run_id, status="RUNNING")
                 else:
                     run = self.client.create_run(
                         self.experiment_id,
@@ -138,4 +141,4 @@ class MlflowMirror:
             if row.get(key) is not None:
                 self.client.set_tag(run_id, f"playbook.{key}", str(row[key]))
         self.client.set_tag(run_id, "playbook.status", status)
-        self.client.set_terminated(run_id, "FAILED" if status == TrialStatus.FAILED else "FINISHED")
+        self.client.set_terminated(run_id, MLFLOW_END.get(status, "FINISHED"))

@@ -106,6 +106,14 @@ class TrialEvents:
         self._done(name, row)
         self.say(f"[{name}] FAILED: {error}")
 
+    def study_stopped(self) -> list[str]:
+        """The study stopped under its running trials: they are STOPPED (a rerun resumes them),
+        in the table and the MLflow mirror; their names."""
+        stopped = [n for n, r in self.table.rows.items() if r.get("status") == TrialStatus.RUNNING]
+        for name in stopped:
+            self._done(name, self.table.update(name, status=TrialStatus.STOPPED))
+        return stopped
+
     def _done(self, name: str, row: dict) -> None:
         self.limiter.forget(name)  # nothing per trial stays behind in the coordinator but its row
         self.console.done(name)

@@ -213,7 +213,7 @@ def test_rayjob_entrypoint_runs_on_a_token_auth_head(tmp_path):
         page = read_object(endpoint, f"{study_uri}/report.html").decode()
         assert all(r["trial_name"] in page for r in rows) and page.count("data:image/png;base64,") >= 3
 
-    assert f"study {study.name}: stored at {study.storage}/{study.name}" in status.stdout
+    assert f"study {study.name}: finished; stored at {study.storage}/{study.name}" in status.stdout
     best = min(rows, key=lambda r: r["best_metric"])
     assert f"best trial: {best['trial_name']} " in status.stdout, status.stdout
     assert f"best trial: {best['trial_name']} " in logs

@@ -12,13 +12,22 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.helpers.playbook_process import output, start_run, titles, wait_for_title, watchers_of
+from tests.helpers.playbook_process import (
+    SERVICE_ROOT,
+    output,
+    start_run,
+    titles,
+    wait_for_title,
+    watchers_of,
+)
 from tests.helpers.processes import end_session, kill_session, own_lines, session_pids
 from tests.helpers.studies import study_dict
 
@@ -27,12 +36,16 @@ GONE_WITHIN_S = 20
 RAY_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING) ")  # ray.init's own log records
 
 
-def write_study(digits_dir, folder, steps: int) -> str:
+def write_study(digits_dir, folder, steps: int, eval_every: int | None = None) -> str:
     raw = study_dict(
         digits_dir,
         folder / "storage",
         name="embedded",
-        training={"max_train_steps": steps, "eval_every_steps": steps // 4, "schedule": {"kind": "constant"}},
+        training={
+            "max_train_steps": steps,
+            "eval_every_steps": eval_every or steps // 4,
+            "schedule": {"kind": "constant"},
+        },
         rounds=[{"name": "explore", "num_trials": 1}],
     )
     path = folder / "study.yaml"
@@ -97,12 +110,29 @@ def stored_row(folder) -> dict:
     return {}
 
 
+def stored_status(folder) -> str:
+    """What `playbook status STUDY_FILE` prints with no Ray to ask (from storage)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "status", str(folder / "study.yaml")],
+        cwd=folder,
+        env={**env, "PYTHONPATH": SERVICE_ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_killed_run_leaves_none_of_its_ray_processes(digits_dir, tmp_path, sig):
     """Also: SIGTERM and SIGINT end it in one line that says how to resume, after the study's
     state is saved: the trial's row with the step it had reached, the study `stopped` in the
     storage root's table."""
-    proc = start_run(write_study(digits_dir, tmp_path, steps=3000), tmp_path)
+    # Far more steps than it trains before the signal, whatever this machine's speed (3,000 steps
+    # were done in 5 s once, before the signal came).
+    proc = start_run(write_study(digits_dir, tmp_path, steps=10**6, eval_every=500), tmp_path)
     try:
         wait_for_title(proc, "ray::ImplicitFunc")
         if sig in STOPPED:  # a report has reached the coordinator: its step is what it saves
@@ -137,8 +167,11 @@ def test_a_killed_run_leaves_none_of_its_ray_processes(digits_dir, tmp_path, sig
             )
             (study,) = pq.read_table(tmp_path / "storage" / "studies.parquet").to_pylist()
             row = stored_row(tmp_path)
-            assert study["state"] == "stopped" and row["status"] == "RUNNING"
+            assert study["state"] == "stopped" and row["status"] == "STOPPED"
             assert row["step"] in logged_steps(tmp_path)  # where it was: a rerun says it resumes there
+            status = stored_status(tmp_path)
+            assert f"study embedded: stopped; stored at {tmp_path / 'storage' / 'embedded'}" in status
+            assert re.search(rf"^explore-0000 +STOPPED +{row['step']} ", status, re.M), status
     finally:
         kill_session(proc.pid)
         for pid in watchers_of(proc.pid):

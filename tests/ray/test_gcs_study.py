@@ -87,5 +87,5 @@ def test_a_study_on_gs_writes_everything_there_and_reads_it_back(ray_cluster, gc
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert f"stored at {gcs_emulator}/studies/on-gcs" in out.stdout
+    assert f"study on-gcs: finished; stored at {gcs_emulator}/studies/on-gcs" in out.stdout
     assert "explore-0000" in out.stdout and "explore-0001" in out.stdout and "best trial:" in out.stdout

@@ -57,6 +57,7 @@ def test_counts_restarts_and_failed_attempts_per_round():
         {"trial_name": "a-1", "round": "a", "status": "FAILED"},
         {"trial_name": "b-0", "round": "b", "status": "RUNNING"},
         {"trial_name": "b-1", "round": "b", "status": "DIVERGED"},
+        {"trial_name": "b-2", "round": "b", "status": "STOPPED"},
     ]
     m.on_rows(rows)
     counts = {k: v for k, v in m.study_series().items() if k.startswith("trials_")}
@@ -66,6 +67,7 @@ def test_counts_restarts_and_failed_attempts_per_round():
         "trials_finished": 1.0,
         "trials_diverged": 1.0,
         "trials_failed": 1.0,
+        "trials_stopped": 1.0,
     }
     # b-0's third attempt reports (two restarts), then its second again (an old report): still 2
     for attempt in (1, 3, 2):
