@@ -82,17 +82,16 @@ def status_rows(name: str, study_uri: str) -> list[dict]:
     rows = trial_table.read_rows(study_uri)
     if not rows:
         raise StudyNotFound(f"{name}: no running coordinator and no trials under {study_uri}")
-    print(f"study {name}: {recorded_state(name, study_uri)}; stored at {study_uri}")
+    print(f"study {name}: {recorded_state(study_uri)}; stored at {study_uri}")
     return rows
 
 
-def recorded_state(name: str, study_uri: str) -> str:
+def recorded_state(study_uri: str) -> str:
     """The state the study's coordinator last recorded in its storage root's index: finished,
     stopped, or running (which no coordinator answered for here)."""
     from service.core import storage
-    from service.tracking.study_index import index_uri
 
-    entry = index_uri(study_uri.rstrip("/").rsplit("/", 1)[0], name)
+    entry = StudyLayout(study_uri).index_entry
     state = json.loads(storage.read_bytes(entry)).get("state") if storage.exists(entry) else None
     if state == "running":
         return "running when last recorded (no coordinator of it answered here)"

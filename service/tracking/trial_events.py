@@ -5,8 +5,12 @@ the study's Ray metrics and the MLflow mirror. Tune runs in another process
 
 from __future__ import annotations
 
+import json
+
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
+from service.core import storage
+from service.core.errors import StorageError
 from service.core.formatting import fmt
 from service.core.trial_status import TrialStatus
 from service.tracking.console import ConsoleLines
@@ -33,8 +37,8 @@ class TrialEvents:
 
     def started(self, trial: dict) -> None:
         name, total = trial["trial_name"], trial["max_train_steps"]
-        reached = self.table.rows.get(name, {}).get("step")
-        self.table.update(name, status=TrialStatus.RUNNING)
+        reached = self._reached(name)
+        self.table.update(name, status=TrialStatus.RUNNING, step=reached)
         self.console.progress(name, round=trial.get("round"), step=reached or 0, total=total)
         if reached:
             self.say(f"[{name}] resumed from its latest checkpoint (step {reached}/{total} reached before)")
@@ -46,6 +50,20 @@ class TrialEvents:
             self.observers.metrics.on_trial_started(trial)
         if self.mirror:
             self.mirror.trial_started(trial)
+
+    def _reached(self, name: str) -> int | None:
+        """The step a trial started again had reached: its row's, else, for a trial that ran
+        before (its study's last save may predate its reports: the command was SIGKILLed), the
+        last step in its metrics log."""
+        row = self.table.rows.get(name, {})
+        if row.get("step") or row.get("status") in (None, TrialStatus.PENDING):
+            return row.get("step")
+        uri = self.table.layout.trial(name).metrics_log
+        try:
+            lines = storage.read_bytes(uri).decode().splitlines() if storage.exists(uri) else []
+            return json.loads(lines[-1]).get("step") if lines else None
+        except (StorageError, ValueError, *storage.storage_errors()):  # unreadable: said as started
+            return None
 
     def result(self, trial: dict, result: dict) -> None:
         if result.get("summary"):

@@ -5,6 +5,7 @@ started the study, and the line each trial event says."""
 from __future__ import annotations
 
 import io
+import json
 
 from service.cli.live_table import LiveTable, table_lines
 from service.tracking.console import ConsoleLines
@@ -96,6 +97,28 @@ def test_trial_events_say_one_line_per_event_and_keep_the_running_trials_progres
     ]
     events.error({"trial_name": "explore-0001", "max_train_steps": 100}, "ValueError: bad (all of it: x)")
     assert console.since(4)[1] == ["[explore-0001] FAILED: ValueError: bad (all of it: x)"]
+
+
+def test_a_trial_started_again_after_its_command_was_killed_says_the_step_its_log_reached(tmp_path):
+    """The command SIGKILLed: the table was last saved when the trial started (RUNNING, no step),
+    its metrics log has its evaluations up to step 60. The rerun says it resumes, from the log;
+    a trial that never ran says it starts, whatever files lie about."""
+    console = ConsoleLines()
+    table = TrialTable(str(tmp_path / "study"), "validation/loss", "min")
+    events = TrialEvents(table, None, "validation/loss", console)
+    for name in ("explore-0000", "explore-0001"):
+        log = tmp_path / "study" / "trials" / name / "metrics.jsonl"
+        log.parent.mkdir(parents=True)
+        log.write_text("".join(json.dumps({"step": s, "validation/loss": 1 / s}) + "\n" for s in (20, 40, 60)))
+    table.update("explore-0000", round="explore", status="RUNNING", max_train_steps=100)
+    table.update("explore-0001", round="explore", status="PENDING", max_train_steps=100)
+    for name in ("explore-0000", "explore-0001"):
+        events.started({"trial_name": name, "round": "explore", "max_train_steps": 100, "hparams": {}})
+    assert console.since(0)[1] == [
+        "[explore-0000] resumed from its latest checkpoint (step 60/100 reached before)",
+        "[explore-0001] started: 100 steps",
+    ]
+    assert console.running()["explore-0000"]["step"] == 60 and table.rows["explore-0000"]["step"] == 60
 
 
 def test_the_live_table_of_running_trials():
