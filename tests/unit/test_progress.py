@@ -109,7 +109,8 @@ def test_a_trial_started_again_after_its_command_was_killed_says_the_step_its_lo
     for name in ("explore-0000", "explore-0001"):
         log = tmp_path / "study" / "trials" / name / "metrics.jsonl"
         log.parent.mkdir(parents=True)
-        log.write_text("".join(json.dumps({"step": s, "validation/loss": 1 / s}) + "\n" for s in (20, 40, 60)))
+        lines = [json.dumps({"step": s, "validation/loss": 1 / s}) for s in (20, 40, 60)]
+        log.write_text("".join(line + "\n" for line in lines))
     table.update("explore-0000", round="explore", status="RUNNING", max_train_steps=100)
     table.update("explore-0001", round="explore", status="PENDING", max_train_steps=100)
     for name in ("explore-0000", "explore-0001"):
