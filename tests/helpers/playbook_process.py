@@ -4,7 +4,9 @@ in files; the processes of that session by their titles (`ray::Coordinator`, ...
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,17 +18,35 @@ SERVICE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 def start_run(study_file, folder) -> subprocess.Popen:
     """`playbook run STUDY_FILE` in `folder`, without RAY_ADDRESS; stdout and stderr in
-    `folder`/out.txt and err.txt (read them with `output`)."""
+    `folder`/out.txt and err.txt (read them with `output`). It takes SIGINT as a command run
+    from a terminal does, however the tests were started (see `sigint_not_ignored`)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(os.path.join(folder, "out.txt"), "w") as out, open(os.path.join(folder, "err.txt"), "w") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "service", "run", str(study_file)],
-            cwd=folder,
-            env={**env, "PYTHONPATH": SERVICE_ROOT},
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
+        with sigint_not_ignored():
+            return subprocess.Popen(
+                [sys.executable, "-m", "service", "run", str(study_file)],
+                cwd=folder,
+                env={**env, "PYTHONPATH": SERVICE_ROOT},
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+
+
+@contextlib.contextmanager
+def sigint_not_ignored():
+    """A shell without job control starts a background command (`make test &` in a script)
+    with SIGINT ignored, every process under it inherits that, and Python then leaves Ctrl-C
+    ignored, as a background job should. Processes started in here do not inherit it: a
+    handled signal is reset to its default by exec."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def output(folder) -> tuple[str, str]:
