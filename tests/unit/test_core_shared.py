@@ -23,7 +23,8 @@ NAN, INF = math.nan, math.inf
 
 
 def test_a_status_is_its_string_in_the_table_and_lower_case_in_a_trials_reports():
-    assert [s.value for s in TrialStatus] == ["PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED"]
+    statuses = ["PENDING", "RUNNING", "FINISHED", "DIVERGED", "FAILED", "STOPPED"]
+    assert [s.value for s in TrialStatus] == statuses
     assert TrialStatus.FINISHED == "FINISHED" and f"{TrialStatus.FAILED}" == "FAILED"
     assert TrialStatus.DIVERGED.reported == "diverged" and type(TrialStatus.DIVERGED.reported) is str
     assert TrialStatus.of_report("failed") is TrialStatus.FAILED

@@ -111,6 +111,7 @@ DOCUMENTED = {
     "playbook run STUDY.yaml": FORM,
     "playbook run STUDY.yaml [--storage URI] [--verbose] [--dry-run]": FORM,
     "playbook run STUDY.yaml --dry-run": "tests/ray/test_dry_run.py",
+    "playbook run --dry-run": FORM,
     "playbook run studies/digits-demo.yaml": FORM,
     "playbook run studies/images.yaml": FORM,
     "playbook run studies/lm.yaml": FORM,
