@@ -93,12 +93,13 @@ def dry_run(study: spec.Study) -> int:
     from service.tracking.trial_table import read_rows
 
     check_not_running(study)
-    done = sum(r.get("status") in DONE for r in read_rows(study.study_uri))
+    rows = read_rows(study.study_uri)  # a stopped study's, even with no trial done, is resumed
+    done = sum(r.get("status") in DONE for r in rows)
     print(f"ok: {plan_text(study)}")
     print(
         f"dry run: storage {study.study_uri} takes writes; this cluster holds "
         f"{trials_that_fit(study, ray.cluster_resources())} of its trials at once; a run "
-        + (f"resumes it ({done} of {planned_trials(study)} trials done)" if done else "starts it")
+        + (f"resumes it ({done} of {planned_trials(study)} trials done)" if rows else "starts it")
         + "; nothing was started"
     )
     return 0
