@@ -26,7 +26,7 @@ from service.study.search import CLIP_HPARAM
 from service.study.sections import Curves
 
 if TYPE_CHECKING:
-    from service.analysis.curves import TrialCurves
+    from service.analysis.curve_data import TrialCurves
 
 GRAD_NORM, CLIPPED = "train/grad_norm", "train/clipped_fraction"
 CLIP_PERCENTILE = 90
