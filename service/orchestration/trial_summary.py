@@ -4,8 +4,6 @@ end removes (those Ray never registered, those a full disk cut off)."""
 
 from __future__ import annotations
 
-import json
-
 from service.analysis.input_bound import trial_input_row
 from service.core import storage
 from service.core.errors import CheckpointError, DataError, SpecError, StorageError, StorageFull
@@ -15,6 +13,7 @@ from service.distributed import checkpoint
 from service.planning.trial import TrialPlan
 from service.study.layout import CHECKPOINT_PREFIX
 from service.study.spec import Study
+from service.trainer import metrics_log
 
 
 def kept_summary(plan: TrialPlan, kept: list[tuple[str, dict]]) -> dict:
@@ -124,9 +123,7 @@ def is_committed(checkpoint_uri: str) -> bool:
 
 
 def read_metrics_log(plan: TrialPlan) -> list[dict]:
-    if not storage.exists(plan.metrics_uri):
-        return []
-    return [json.loads(line) for line in storage.read_bytes(plan.metrics_uri).decode().splitlines()]
+    return metrics_log.read(plan.metrics_uri)
 
 
 def _uri(study: Study, path: str) -> str:

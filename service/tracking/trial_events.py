@@ -5,8 +5,6 @@ the study's Ray metrics and the MLflow mirror. Tune runs in another process
 
 from __future__ import annotations
 
-import json
-
 from service.analysis.input_bound import INPUT_ROW_FIELDS
 from service.analysis.verdicts import best_step_position
 from service.core import storage
@@ -17,6 +15,7 @@ from service.tracking.console import ConsoleLines
 from service.tracking.observe import StudyObservers
 from service.tracking.progress import ProgressLimiter, progress_line
 from service.tracking.trial_table import TrialTable
+from service.trainer import metrics_log
 
 
 class TrialEvents:
@@ -58,12 +57,11 @@ class TrialEvents:
         row = self.table.rows.get(name, {})
         if row.get("step") or row.get("status") in (None, TrialStatus.PENDING):
             return row.get("step")
-        uri = self.table.layout.trial(name).metrics_log
         try:
-            lines = storage.read_bytes(uri).decode().splitlines() if storage.exists(uri) else []
-            return json.loads(lines[-1]).get("step") if lines else None
+            logged = metrics_log.read(self.table.layout.trial(name).metrics_log)
         except (StorageError, ValueError, *storage.storage_errors()):  # unreadable: said as started
             return None
+        return logged[-1].get("step") if logged else None
 
     def result(self, trial: dict, result: dict) -> None:
         if result.get("summary"):
