@@ -67,7 +67,6 @@ def round_findings(study: Study, round_name: str, rows: list[dict]) -> list:
 def check_ran(study: Study, path: str) -> None:
     """Refused unless the study has run from this very file (its stored study.yaml is the
     file's study but for run-only fields) and its last round has verdicts."""
-    import json
 
     from service.core import storage
     from service.study.stored import changed_from_stored
@@ -90,7 +89,7 @@ def check_ran(study: Study, path: str) -> None:
         raise SpecError(
             f"rounds[{ran}]: round {rnd.name} has not run yet: run the study, then ask for the next"
         )
-    done = json.loads(storage.read_bytes(layout.verdicts)) if storage.exists(layout.verdicts) else []
+    done = storage.read_json(layout.verdicts, [])
     last = study.rounds[-1].name
     if not any(s.get("round") == last for s in done):
         raise StudyNotFound(

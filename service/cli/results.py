@@ -91,8 +91,7 @@ def recorded_state(study_uri: str) -> str:
     stopped, or running (which no coordinator answered for here)."""
     from service.core import storage
 
-    entry = StudyLayout(study_uri).index_entry
-    state = json.loads(storage.read_bytes(entry)).get("state") if storage.exists(entry) else None
+    state = storage.read_json(StudyLayout(study_uri).index_entry, {}).get("state")
     if state == "running":
         return "running when last recorded (no coordinator of it answered here)"
     return state or "no state recorded"

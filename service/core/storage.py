@@ -205,6 +205,11 @@ def write_json(uri: str, obj) -> None:
     write_bytes_atomic(uri, json.dumps(obj, indent=1, default=str).encode())
 
 
+def read_json(uri: str, default=None):
+    """The JSON object stored at `uri`; `default` where there is none."""
+    return json.loads(read_bytes(uri)) if exists(uri) else default
+
+
 def read_bytes(uri: str) -> bytes:
     fs, path = split(uri)
     with fs.open(path, "rb") as f:

@@ -5,7 +5,6 @@ keeps the trial table and answers status calls."""
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import time
 
@@ -139,10 +138,7 @@ class Coordinator:
 
     def _stored_verdicts(self) -> dict[str, dict]:
         """The verdicts.json summaries a run before this one saved, by round."""
-        uri = self.study.layout.verdicts
-        if not storage.exists(uri):
-            return {}
-        return {s["round"]: s for s in json.loads(storage.read_bytes(uri))}
+        return {s["round"]: s for s in storage.read_json(self.study.layout.verdicts, [])}
 
     def _planning_rows(self, rnd: Round) -> list[dict]:
         """The trial rows a round is planned from: the study's, and, for a round that builds on

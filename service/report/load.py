@@ -4,7 +4,6 @@ trial, so loading is linear in the number of trials."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -52,10 +51,6 @@ def study_uri_of(target: str) -> str:
     return storage.absolute(target).rstrip("/")
 
 
-def _json(uri: str, default):
-    return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else default
-
-
 def load(study_uri: str) -> StudyData:
     layout = StudyLayout(study_uri)
     study_file = layout.study_file
@@ -71,6 +66,6 @@ def load(study_uri: str) -> StudyData:
         study_uri=study_uri,
         rows=rows,
         histories=histories,
-        verdicts=_json(layout.verdicts, []),
+        verdicts=storage.read_json(layout.verdicts, []),
         provenance=provenance.read(study_uri) or {},
     )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import importlib.metadata
-import json
 import os
 import re
 import shutil
@@ -212,4 +211,4 @@ def summary(record: dict) -> str:
 def read(study_uri: str) -> dict | None:
     """The study's provenance record (written by `capture` when it was submitted), if any."""
     uri = StudyLayout(study_uri).provenance
-    return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None
+    return storage.read_json(uri)
