@@ -207,7 +207,16 @@ def write_json(uri: str, obj) -> None:
 
 def read_json(uri: str, default=None):
     """The JSON object stored at `uri`; `default` where there is none."""
-    return json.loads(read_bytes(uri)) if exists(uri) else default
+    return parse_json(read_bytes(uri), uri) if exists(uri) else default
+
+
+def parse_json(data: bytes, uri: str):
+    """`data`, read from `uri`, as JSON; a StorageError naming the file where it is not JSON
+    (a file only the service writes, atomically, so changed or torn by something else)."""
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise StorageError(f"{uri}: not a valid JSON file ({e})") from None
 
 
 def read_bytes(uri: str) -> bytes:

@@ -15,7 +15,6 @@ so the last table written holds every study whose index object was written befor
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 
@@ -35,6 +34,7 @@ COLUMNS = (
     "trials_finished",
     "trials_diverged",
     "trials_failed",
+    "trials_stopped",
     "metric",
     "best_metric",
     "best_trial",
@@ -76,6 +76,7 @@ def study_row(
         "trials_finished": statuses.count(TrialStatus.FINISHED),
         "trials_diverged": statuses.count(TrialStatus.DIVERGED),
         "trials_failed": statuses.count(TrialStatus.FAILED),
+        "trials_stopped": statuses.count(TrialStatus.STOPPED),
         "metric": metric,
         "best_metric": best.get("best_metric"),
         "best_trial": best.get("trial_name"),
@@ -118,26 +119,29 @@ def record_study(study, trial_rows: list[dict], state: str, provenance: dict | N
 
 def read_index(storage_root: str) -> list[dict]:
     """Every study's row, straight from the index objects (sorted by study name)."""
-    fs, path = storage.split(RootLayout(storage_root).index_dir)
+    index_dir = RootLayout(storage_root).index_dir
+    fs, path = storage.split(index_dir)
     fs.invalidate_cache(path)  # object-store listings are cached by fsspec; we need a fresh one
     if not fs.exists(path):
         return []
     paths = [p for p in fs.ls(path, detail=False) if p.endswith(".json")]
-    return sorted((json.loads(b) for b in _cat_all(fs, paths)), key=lambda r: r["study"])
+    found = _cat_all(fs, paths)
+    rows = [storage.parse_json(b, storage.join(index_dir, p.rsplit("/", 1)[-1])) for p, b in found.items()]
+    return sorted(rows, key=lambda r: r["study"])
 
 
-def _cat_all(fs, paths: list[str]) -> list[bytes]:
+def _cat_all(fs, paths: list[str]) -> dict[str, bytes]:
     """Each file's bytes in one whole-object GET (`open` + read would take the size from one
     generation of an object and the bytes from the next when another process replaces it
     between); a file deleted since the listing is left out. On an object store the GETs are
     concurrent (fsspec's batched `cat`), unless a path has glob characters, which `cat` would
     expand."""
     if paths and not isinstance(fs, LocalFileSystem) and not any(set("*?[") & set(p) for p in paths):
-        return list(fs.cat(paths, on_error="omit").values())
-    out = []
+        return fs.cat(paths, on_error="omit")
+    out = {}
     for p in paths:
         try:
-            out.append(fs.cat_file(p))
+            out[p] = fs.cat_file(p)
         except FileNotFoundError:
             continue
     return out

@@ -408,6 +408,35 @@ def _(c):
     return run(c), os.path.join(study_dir, "trials.parquet")
 
 
+def corrupt_index_object(c: Case) -> str:
+    """The study's object in the storage root's index, not JSON (torn by something else)."""
+    index = os.path.join(c.storage, "_index")
+    os.makedirs(index)
+    with open(os.path.join(index, "t.json"), "w") as f:
+        f.write('{"study": "t", "state": ')
+    return os.path.join(index, "t.json")
+
+
+@case("studies-index-object-corrupt")
+def _(c):
+    return ["studies", "--storage", c.storage], corrupt_index_object(c)
+
+
+@case("status-index-object-corrupt")
+def _(c):
+    from service.study import spec
+    from service.study.checks import resolve_paths
+    from service.tracking.trial_table import TrialTable
+
+    os.makedirs(os.path.join(c.storage, "t"))
+    with open(os.path.join(c.storage, "t", "study.yaml"), "w") as f:
+        f.write(spec.dump_yaml(resolve_paths(spec.load_dict(c.raw))))
+    table = TrialTable(os.path.join(c.storage, "t"), "validation/error", "min")
+    table.update("explore-0000", round="explore", status="PENDING", max_train_steps=40)
+    table.save()
+    return ["status", "t", "--storage", c.storage], corrupt_index_object(c)
+
+
 @case("stored-study-grown-with-an-edited-round")
 def _(c):
     """Rounds may be added after the stored ones; the stored ones may not change."""

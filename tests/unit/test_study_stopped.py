@@ -5,7 +5,11 @@ MLflow run, RUNNING again."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from service.core.trial_status import DONE, TrialStatus
+from service.tracking import study_index
 from service.tracking.observe import StudyObservers
 from service.tracking.trial_events import TrialEvents
 from service.tracking.trial_table import TrialTable, read_rows
@@ -41,6 +45,21 @@ def study_events(study) -> TrialEvents:
     return TrialEvents(table, observers, METRIC)
 
 
+def studies_table(study) -> dict:
+    """`playbook studies` (run as a user runs it) on the study's root after the coordinator
+    recorded its row: the columns of the study's line that count trials, and its state."""
+    study_index.record_study(study, read_rows(study.study_uri), "stopped", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "studies", "--storage", study.storage],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    header, line = out.stdout.splitlines()[:2]
+    row = dict(zip(header.split(), line.split(), strict=True))
+    return {k: v for k, v in row.items() if k == "state" or k.startswith("trials")}
+
+
 def test_running_trials_are_stopped_in_the_table_and_killed_in_mlflow(digits_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     mlruns = tmp_path / "mlruns"
@@ -64,6 +83,14 @@ def test_running_trials_are_stopped_in_the_table_and_killed_in_mlflow(digits_dir
         "explore-0002": ("PENDING", None),
     }
     assert TrialStatus.STOPPED not in DONE  # a rerun starts it again
+    counts = {
+        "trials": "3",
+        "trials_finished": "1",
+        "trials_diverged": "0",
+        "trials_failed": "0",
+        "trials_stopped": "1",
+    }
+    assert studies_table(study) == {"state": "stopped", **counts}
 
     from mlflow.tracking import MlflowClient
 
