@@ -16,6 +16,8 @@ from service.study.layout import INDEX_DIR, RootLayout, StudyLayout
 
 
 def cmd_status(args) -> int:
+    from service.core import storage
+
     if os.path.isfile(args.study):
         study = load_study(args.study, args.storage)
         name, study_uri = study.name, study.study_uri
@@ -23,10 +25,11 @@ def cmd_status(args) -> int:
     else:
         study_uri = stored_study_uri(args.study, args.storage)
         name, metric, mode = stored_naming(study_uri)
+    verdicts = storage.read_json(StudyLayout(study_uri).verdicts, [])  # read before anything is printed
     rows = status_rows(name, study_uri)
     print_table(rows, metric, mode)
     print_chain(study_uri)
-    print_verdicts(study_uri)
+    print_verdicts(verdicts)
     return 0
 
 
@@ -218,15 +221,12 @@ def print_chain(study_uri: str) -> None:
             print(f"  {link.line()}")
 
 
-def print_verdicts(study_uri: str) -> None:
+def print_verdicts(summaries: list[dict]) -> None:
     from service.analysis.report_lines import log_lines
-    from service.core import storage
 
-    uri = StudyLayout(study_uri).verdicts
-    if storage.exists(uri):
-        for summary in json.loads(storage.read_bytes(uri)):
-            for line in log_lines(summary):
-                print(line)
+    for summary in summaries:
+        for line in log_lines(summary):
+            print(line)
 
 
 def print_table(rows: list[dict], metric: str, mode: str) -> None:

@@ -18,7 +18,6 @@ copies it into the study as `data_provenance.json` and prints it.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 
 import numpy as np
@@ -174,10 +173,7 @@ def _preprocess_file(workload: Workload, f, writer: ShardWriter, rng: np.random.
 
 def data_provenance(uri: str) -> dict | None:
     """The preprocess record of a data URI (a directory of shards), if it has one."""
-    record_uri = storage.join(uri.rstrip("/"), PROVENANCE_FILE)
-    if not storage.exists(record_uri):
-        return None
-    return json.loads(storage.read_bytes(record_uri))
+    return storage.read_json(storage.join(uri.rstrip("/"), PROVENANCE_FILE))
 
 
 def record_in_study(study) -> list[str]:

@@ -62,6 +62,7 @@ def check_data(study: Study) -> None:
     non-empty file, whose first rows the workload turns into a batch (footers only, and a few
     rows). A split needs rows; the training files must cover the hosts."""
     from service import workloads
+    from service.data.preprocess import data_provenance
 
     workload = workloads.get(study.workload)
     files = {}
@@ -70,6 +71,8 @@ def check_data(study: Study) -> None:
             continue
         try:
             files[split] = _check_split(study, split, workload)
+            if split == "train":  # its preprocess record, which a run copies: readable
+                data_provenance(study.data.train)
         except (DataError, StorageError) as e:  # the field, then the file (relative: against the cwd)
             raise type(e)(f"data.{split}: {e}") from None
     check_overlap(study, workload, files)

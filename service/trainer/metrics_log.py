@@ -57,7 +57,18 @@ class MetricsLog:
 
 def read(uri: str) -> list[dict]:
     """A trial's logged evaluations in step order (non-finite values are None); [] when the
-    trial logged none."""
+    trial logged none. A last line that is not JSON is an append cut short (the process killed,
+    the disk full) and is left out: the trial's next run rewrites the log from its checkpoint.
+    Any other line that is not JSON is a StorageError naming the file."""
     if not storage.exists(uri):
         return []
-    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
+    lines = [line for line in storage.read_bytes(uri).decode(errors="replace").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if number == len(lines):
+                break
+            raise storage.StorageError(f"{uri}: line {number} is not JSON ({e})") from None
+    return rows

@@ -422,19 +422,43 @@ def _(c):
     return ["studies", "--storage", c.storage], corrupt_index_object(c)
 
 
-@case("status-index-object-corrupt")
-def _(c):
+def stored_study_with_a_trial(c: Case) -> str:
+    """The study stored as a run leaves it before its first trial starts; returns its folder."""
     from service.study import spec
     from service.study.checks import resolve_paths
     from service.tracking.trial_table import TrialTable
 
-    os.makedirs(os.path.join(c.storage, "t"))
-    with open(os.path.join(c.storage, "t", "study.yaml"), "w") as f:
+    study_dir = os.path.join(c.storage, "t")
+    os.makedirs(study_dir)
+    with open(os.path.join(study_dir, "study.yaml"), "w") as f:
         f.write(spec.dump_yaml(resolve_paths(spec.load_dict(c.raw))))
-    table = TrialTable(os.path.join(c.storage, "t"), "validation/error", "min")
+    table = TrialTable(study_dir, "validation/error", "min")
     table.update("explore-0000", round="explore", status="PENDING", max_train_steps=40)
     table.save()
+    return study_dir
+
+
+@case("status-index-object-corrupt")
+def _(c):
+    stored_study_with_a_trial(c)
     return ["status", "t", "--storage", c.storage], corrupt_index_object(c)
+
+
+@case("status-verdicts-corrupt")
+def _(c):
+    verdicts = os.path.join(stored_study_with_a_trial(c), "verdicts.json")
+    with open(verdicts, "w") as f:
+        f.write('[{"round": ')
+    return ["status", "t", "--storage", c.storage], verdicts
+
+
+@case("data-preprocess-record-corrupt")
+def _(c):
+    """A record `playbook preprocess` would write beside the shards, torn: a run copies it."""
+    record = os.path.join(c.data_copy("train"), "_provenance.json")
+    with open(record, "w") as f:
+        f.write('{"workload": ')
+    return run(c), "data.train"
 
 
 @case("stored-study-grown-with-an-edited-round")

@@ -78,3 +78,24 @@ def test_a_gcs_log_past_the_compose_size_is_composed_not_rewritten(gcs_emulator,
     whole = next(n for n in range(1, 31) if len(expected(rows(n)).encode()) >= 600)
     assert composed == [path] * (30 - whole)
     assert fs.ls(path.rsplit("/", 1)[0], detail=False) == [path]  # no part object left behind
+
+
+def test_an_append_cut_short_is_left_out_and_any_other_bad_line_is_named(tmp_path):
+    """A process killed (or a disk filled) during an append leaves a partial last line: the
+    complete rows read back; a line that is not JSON before the last is an error naming the file
+    and line, not a JSONDecodeError."""
+    import pytest
+
+    from service.trainer import metrics_log
+
+    uri = str(tmp_path / "metrics.jsonl")
+    whole = expected(rows(3))
+    with open(uri, "w") as f:
+        f.write(whole + whole.splitlines()[0][:17])  # the fourth row's append, cut short
+    want = [json.loads(line) for line in whole.splitlines()]
+    assert metrics_log.read(uri) == want
+    lines = whole.splitlines()
+    with open(uri, "w") as f:
+        f.write("\n".join([lines[0], lines[1][:17], lines[2]]) + "\n")
+    with pytest.raises(storage.StorageError, match=f"{uri}: line 2 is not JSON"):
+        metrics_log.read(uri)
