@@ -125,8 +125,7 @@ def cmd_studies(args) -> int:
     if not rows:
         raise StudyNotFound(f"{root}: no studies recorded there (no {INDEX_DIR}/)")
     cols = ["study", "state", "trials", "trials_finished", "trials_diverged", "trials_failed"]
-    cols += ["trials_stopped"]
-    cols += ["best_metric", "best_trial", "git_commit"]
+    cols += ["trials_stopped", "best_metric", "best_trial", "git_commit"]
     lines = [[cell(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     for line in [cols, *lines]:
