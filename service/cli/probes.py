@@ -45,14 +45,16 @@ def cmd_find_steps(args) -> int:
 
 def fit_steps(sweep, rows: list[dict], threshold: float) -> dict:
     """Each swept learning rate's first step whose train loss is under the threshold (or None)."""
-    from service.orchestration.trial_summary import read_metrics_log
     from service.planning import find_steps
     from service.planning.trial import TrialPlan
+    from service.trainer import metrics_log
 
     fits = {}
     for row in rows:
         plan = TrialPlan(sweep, row["trial_name"], row["round"])
-        fits[row["hp/learning_rate"]] = find_steps.first_fit_step(read_metrics_log(plan), threshold)
+        fits[row["hp/learning_rate"]] = find_steps.first_fit_step(
+            metrics_log.read(plan.metrics_uri), threshold
+        )
     return fits
 
 

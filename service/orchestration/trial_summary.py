@@ -57,7 +57,7 @@ def summary_fields(plan: TrialPlan, checkpoint_by_step: dict[int, str], num_chec
     `last_metric` is the last evaluation's: a trial resumed at its last checkpoint reports no
     evaluation in this attempt, and its row's `metric` comes from here."""
     tr = plan.study.training
-    history = read_metrics_log(plan)
+    history = metrics_log.read(plan.metrics_uri)
     best = best_row(history, tr.metric, tr.mode)
     last = history[-1] if history else {}
     return {
@@ -120,10 +120,6 @@ def is_committed(checkpoint_uri: str) -> bool:
     except CheckpointError:
         return False
     return True
-
-
-def read_metrics_log(plan: TrialPlan) -> list[dict]:
-    return metrics_log.read(plan.metrics_uri)
 
 
 def _uri(study: Study, path: str) -> str:

@@ -59,7 +59,7 @@ class TrialEvents:
             return row.get("step")
         try:
             logged = metrics_log.read(self.table.layout.trial(name).metrics_log)
-        except (StorageError, ValueError, *storage.storage_errors()):  # unreadable: said as started
+        except (StorageError, *storage.storage_errors()):  # unreadable: said as started
             return None
         return logged[-1].get("step") if logged else None
 
